@@ -1,0 +1,51 @@
+"""Timing helpers shared by the eval tools: compile apart, then the median of repeats."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models import kv_cache
+
+
+def timed(fn, repeats: int = 5):
+  """Returns (result, compile_s, median_s): the first call (compile + run) is reported apart."""
+  start = time.perf_counter()
+  result = jax.block_until_ready(fn())
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    result = jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  median = statistics.median(times)
+  return result, max(first - median, 0.0), median
+
+
+@functools.partial(jax.jit, static_argnames=("model", "width", "steps"))
+def _extend_loop(model, params, cache, width: int, steps: int):
+  """`steps` target/draft passes over `width` tokens at a fixed position (rolled back each time)."""
+  tokens = jnp.ones((cache.lengths.shape[0], width), jnp.int32)
+  base = cache.lengths
+
+  def body(_, carry):
+    c, acc = carry
+    logits, _, c = model.extend(params, tokens, c)
+    return kv_cache.rollback(c, base), acc + logits[:, -1, 0]
+
+  _, acc = jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros(base.shape, jnp.float32)))
+  return acc
+
+
+def step_time(model, params, prompt, width: int, steps: int = 64, repeats: int = 5) -> float:
+  """Seconds per model pass over `width` tokens after the prompt, at batch = prompt rows."""
+  enc_len = prompt.tokens.shape[1] if model.is_encoder_decoder else 0
+  prefix = 1 if model.is_encoder_decoder else prompt.tokens.shape[1]
+  cache = model.init_cache(prompt.tokens.shape[0], prefix + width + 1, enc_len)
+  _, _, cache = model.prefill(params, prompt, cache)
+  _, _, median = timed(lambda: _extend_loop(model, params, cache, width, steps), repeats)
+  return median / steps

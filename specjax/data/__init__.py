@@ -1,0 +1,1 @@
+"""Data: offline corpus, tokenizers, TFDS sources, batching."""

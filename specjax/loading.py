@@ -1,0 +1,37 @@
+"""Resolve a config section (`target` / `draft`) into a model, its params and its tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import ml_collections
+
+from specjax.models import hf_import
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  model: object        # satisfies the model contract (docs/architecture.md)
+  params: object       # pytree of arrays
+  tokenizer: object    # encode / decode / vocab_size / pad_id / eos_id / bos_id
+  path: Path
+
+
+def checkpoint_dir(section: ml_collections.ConfigDict, flag: str) -> Path:
+  """Local directory of a section's checkpoint; `builtin:NAME/ROLE` builds the embedded default."""
+  name = str(section.checkpoint)
+  if name.startswith("builtin:"):
+    from specjax import zoo
+    return zoo.ensure(name.removeprefix("builtin:"))
+  return hf_import.resolve_checkpoint(name, flag)
+
+
+def load(section: ml_collections.ConfigDict, role: str) -> LoadedModel:
+  flag = f"--config.{role}.checkpoint"
+  path = checkpoint_dir(section, flag)
+  model, params = hf_import.load_model(str(path), section.get("dtype", "float32"), flag)
+  from specjax.data import tokenizers
+  tokenizer = tokenizers.load_dir(path)
+  return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tokenizer, path=path)

@@ -1,0 +1,58 @@
+"""Models and the model contract the decoding loop relies on (DESIGN.md §3).
+
+A model is a frozen, hashable dataclass (so it can be a static argument of `jax.jit`) with:
+
+  vocab_size: int; is_encoder_decoder: bool; hidden_size: int
+  init_params(rng) -> params
+  init_cache(batch, max_len, enc_len=0) -> KVCache
+  prefill(params, prompt: Prompt, cache) -> (logits[B,V], hidden[B,D], cache)
+  extend(params, tokens[B,T], cache) -> (logits[B,T,V], hidden[B,T,D], cache)
+
+Decoder-only: `prefill` ingests the right-padded prompt and returns the next-token logits of each
+row (taken at position lengths[b]-1); afterwards `cache.lengths == prompt.lengths`.
+Encoder-decoder (T5): `prefill` encodes the prompt, stores cross-attention keys/values in the cache,
+ingests the decoder start token and returns the logits of the first output token; afterwards
+`cache.lengths == 1`. Logits are float32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass(kw_only=True)
+class Prompt:
+  tokens: jax.Array    # [B, P] int32, right-padded
+  lengths: jax.Array   # [B] int32, >= 1
+
+  @classmethod
+  def from_lists(cls, rows: list[list[int]], pad_to: int | None = None, pad_id: int = 0) -> "Prompt":
+    if any(len(r) == 0 for r in rows):
+      raise ValueError("empty prompt: every prompt needs at least one token")
+    width = pad_to or max(len(r) for r in rows)
+    arr = np.full((len(rows), width), pad_id, np.int32)
+    for i, r in enumerate(rows):
+      arr[i, :len(r)] = r
+    return cls(tokens=jnp.asarray(arr), lengths=jnp.asarray([len(r) for r in rows], jnp.int32))
+
+
+def score(model, params, prompt: Prompt, targets: jax.Array):
+  """Teacher-forced logits through the decoding path: prefill, then one extend over targets[:, :-1].
+
+  Returns (logits[B,L,V], hidden[B,L,D]) where position t predicts targets[:, t] from the prompt and
+  targets[:, :t]. Used by training and scoring so that they share the model code with decoding.
+  """
+  batch, length = targets.shape
+  prefix = 1 if model.is_encoder_decoder else prompt.tokens.shape[1]
+  enc_len = prompt.tokens.shape[1] if model.is_encoder_decoder else 0
+  cache = model.init_cache(batch, prefix + length, enc_len)
+  first_logits, first_hidden, cache = model.prefill(params, prompt, cache)
+  if length == 1:
+    return first_logits[:, None], first_hidden[:, None]
+  rest_logits, rest_hidden, _ = model.extend(params, targets[:, :-1], cache)
+  logits = jnp.concatenate([first_logits[:, None], rest_logits], axis=1)      # [B, L, V]
+  hidden = jnp.concatenate([first_hidden[:, None], rest_hidden], axis=1)      # [B, L, D]
+  return logits, hidden

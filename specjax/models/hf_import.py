@@ -1,0 +1,106 @@
+"""Hugging Face checkpoints <-> specjax params: local directories, safetensors, tokenizers.
+
+Each model module (t5.py, decoder.py) provides the architecture-specific pieces:
+  MODEL_TYPES: tuple of HF `model_type` strings it reads
+  model_from_hf_config(hf_config: dict, dtype: str) -> model
+  params_from_hf(model, tensors: dict[str, np.ndarray]) -> params
+  params_to_hf(model, params) -> dict[str, np.ndarray]
+  hf_config(model) -> dict
+This module only finds files, reads and writes them, and dispatches on `model_type`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+  """A checkpoint directory or hub id that cannot be resolved offline."""
+
+
+def _registry():
+  from specjax.models import decoder, t5
+  return {mt: mod for mod in (t5, decoder) for mt in mod.MODEL_TYPES}
+
+
+def resolve_checkpoint(name_or_dir: str, override_flag: str = "--config.target.checkpoint") -> Path:
+  """A local directory as is; a hub id through the local Hugging Face cache; else a clear error."""
+  path = Path(os.path.expanduser(str(name_or_dir)))
+  if path.is_dir():
+    missing = [f for f in ("config.json",) if not (path / f).exists()]
+    if not missing and _weight_files(path):
+      return path
+    raise CheckpointNotFoundError(
+        f"checkpoint directory {path} is incomplete: missing "
+        f"{', '.join(missing + ([] if _weight_files(path) else ['model.safetensors (or model.safetensors.index.json)']))}.")
+  try:
+    from huggingface_hub import snapshot_download
+    snap = Path(snapshot_download(str(name_or_dir), local_files_only=True))
+    if (snap / "config.json").exists() and _weight_files(snap):
+      return snap
+  except Exception:  # offline and not cached: fall through to the explanation below
+    pass
+  raise CheckpointNotFoundError(
+      f"checkpoint '{name_or_dir}' is not a local directory and is not in the local Hugging Face "
+      f"cache (needed: config.json, model.safetensors or model.safetensors.index.json + shards, "
+      f"and the tokenizer files). Download it on a machine with network access "
+      f"(huggingface-cli download {name_or_dir} --local-dir DIR), then pass {override_flag}=DIR.")
+
+
+def _weight_files(path: Path) -> list[Path]:
+  index = path / "model.safetensors.index.json"
+  if index.exists():
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return [path / s for s in shards]
+  single = path / "model.safetensors"
+  return [single] if single.exists() else []
+
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file
+  tensors: dict[str, np.ndarray] = {}
+  for f in _weight_files(path):
+    if not f.exists():
+      raise CheckpointNotFoundError(f"shard {f} named in the safetensors index is missing")
+    tensors.update(load_file(str(f)))
+  return tensors
+
+
+def load_model(name_or_dir: str, dtype: str = "float32",
+               override_flag: str = "--config.target.checkpoint"):
+  """Returns (model, params) for a local HF checkpoint directory or a cached hub id."""
+  path = resolve_checkpoint(name_or_dir, override_flag)
+  hf_config = json.loads((path / "config.json").read_text())
+  model_type = hf_config.get("model_type")
+  registry = _registry()
+  if model_type not in registry:
+    raise ValueError(f"{path}: model_type '{model_type}' is not supported; specjax reads "
+                     f"{sorted(registry)}.")
+  mod = registry[model_type]
+  model = mod.model_from_hf_config(hf_config, dtype)
+  params = mod.params_from_hf(model, read_tensors(path))
+  return model, params
+
+
+def load_tokenizer(name_or_dir: str, override_flag: str = "--config.target.checkpoint"):
+  from transformers import AutoTokenizer
+  path = resolve_checkpoint(name_or_dir, override_flag)
+  return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def save_model(model, params, out_dir: str) -> Path:
+  """Export to the HF layout (config.json + model.safetensors) loadable by transformers."""
+  from safetensors.numpy import save_file
+  registry = _registry()
+  mod = next(m for m in registry.values() if isinstance(model, m.MODEL_CLASS))
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps(mod.hf_config(model), indent=2))
+  tensors = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32))
+             for k, v in mod.params_to_hf(model, params).items()}
+  save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+  return out

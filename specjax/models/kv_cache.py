@@ -1,0 +1,77 @@
+"""The explicit KV cache shared by every model: fixed buffers plus per-row lengths.
+
+Row b holds `lengths[b]` valid entries. `extend` writes the T new keys/values of row b at
+positions lengths[b] .. lengths[b]+T-1 and advances `lengths`; entries past a row's length are
+stale, masked out of attention, and overwritten later. Rollback is therefore only
+`cache.replace(lengths=new_lengths)` (see `rollback`).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass(kw_only=True)
+class KVCache:
+  k: jax.Array                         # [L, B, S, H, Dh] self-attention keys
+  v: jax.Array                         # [L, B, S, H, Dh] self-attention values
+  lengths: jax.Array                   # [B] int32, valid entries per row
+  cross_k: jax.Array | None = None     # [L, B, E, H, Dh] encoder keys (T5 only)
+  cross_v: jax.Array | None = None     # [L, B, E, H, Dh] encoder values (T5 only)
+  enc_mask: jax.Array | None = None    # [B, E] bool, valid encoder positions (T5 only)
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[2]
+
+
+def init_cache(*, layers: int, batch: int, max_len: int, heads: int, head_dim: int,
+               dtype=jnp.float32) -> KVCache:
+  shape = (layers, batch, max_len, heads, head_dim)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def rollback(cache: KVCache, lengths: jax.Array) -> KVCache:
+  """Forget every entry of row b at or past `lengths[b]`.
+
+  Example: lengths [7, 9] after verifying 4 drafts per row, rollback to [5, 9] keeps all of row 1
+  and the first 5 entries of row 0; row 0's next extend overwrites positions 5, 6, ...
+  """
+  return cache.replace(lengths=lengths.astype(jnp.int32))
+
+
+def write_layer(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+  """Write new[b] ([T, H, Dh]) into buf[b] ([S, H, Dh]) at offset lengths[b]; buf is [B, S, H, Dh]."""
+  def one(row_buf, row_new, start):
+    return jax.lax.dynamic_update_slice(row_buf, row_new.astype(row_buf.dtype), (start, 0, 0))
+  return jax.vmap(one)(buf, new, lengths)
+
+
+def positions(lengths: jax.Array, num_new: int) -> jax.Array:
+  """Absolute positions of the next `num_new` tokens of each row: [B, T]."""
+  return lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+
+
+def self_attention_mask(lengths: jax.Array, num_new: int, capacity: int) -> jax.Array:
+  """[B, T, S] bool: query t of row b (at position lengths[b]+t) sees keys at positions <= its own.
+
+  Example: lengths [2], T=2, S=5 -> rows of the mask are [1,1,1,0,0] and [1,1,1,1,0].
+  """
+  query_pos = positions(lengths, num_new)                          # [B, T]
+  key_pos = jnp.arange(capacity, dtype=jnp.int32)                  # [S]
+  return key_pos[None, None, :] <= query_pos[:, :, None]
+
+
+class CacheOverflowError(ValueError):
+  pass
+
+
+def check_capacity(needed: int, capacity: int, what: str = "sequence") -> None:
+  """Host-side guard: dynamic_update_slice clamps silently, so overflow must be refused up front."""
+  if needed > capacity:
+    raise CacheOverflowError(
+        f"{what} needs {needed} cache positions but the cache holds {capacity}: raise "
+        f"--config.decode.max_len (or shorten the prompt / max_new_tokens).")

@@ -1,0 +1,138 @@
+"""Config -> models -> decoding -> a JSON-ready report. Shared by the decode CLI and the eval tools."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from specjax import loading
+from specjax.acceptance import registry
+from specjax.decoding import autoregressive, speculative
+from specjax.models import Prompt
+from specjax.sampling import Warp
+
+STAT_FIELDS = ("blocks", "drafted", "accepted", "verified", "emitted", "target_passes",
+               "draft_passes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  """Everything needed to decode one batch: loaded models, the rule, the sampling warp."""
+  target: loading.LoadedModel
+  draft: loading.LoadedModel | None
+  rule: object | None
+  warp: Warp
+  gamma: int
+  max_new_tokens: int
+  max_len: int = 0
+
+  @property
+  def eos_id(self) -> int:
+    return int(self.target.tokenizer.eos_id)
+
+  def generate(self, prompt: Prompt, key, draft_prompt: Prompt | None = None):
+    max_len = self.max_len or None
+    if self.draft is None:
+      return autoregressive.generate(
+          self.target.model, self.target.params, prompt, key, max_new_tokens=self.max_new_tokens,
+          warp=self.warp, eos_id=self.eos_id, max_len=max_len)
+    return speculative.generate(
+        self.target.model, self.target.params, self.draft.model, self.draft.params, prompt, key,
+        rule=self.rule, gamma=self.gamma, max_new_tokens=self.max_new_tokens, warp=self.warp,
+        eos_id=self.eos_id, draft_prompt=draft_prompt, max_len=max_len)
+
+
+def build(config, use_draft: bool | None = None, draft_section: str = "draft") -> Decoder:
+  """use_draft=None: speculative iff the config names a draft checkpoint and a rule."""
+  d = config.decode
+  if use_draft is None:
+    use_draft = bool(config.get(draft_section) and config[draft_section].get("checkpoint")
+                     and config.get("rule") and config.rule.get("name"))
+  target = loading.load(config.target, "target")
+  draft = loading.load(config[draft_section], draft_section) if use_draft else None
+  rule = None
+  if use_draft:
+    hparams = {k: v for k, v in config.rule.items() if k != "name"}
+    rule = registry.get(config.rule.name, **hparams)
+  warp = Warp(temperature=float(d.temperature), top_k=int(d.top_k), top_p=float(d.top_p))
+  return Decoder(target=target, draft=draft, rule=rule, warp=warp, gamma=int(d.gamma),
+                 max_new_tokens=int(d.max_new_tokens), max_len=int(d.get("max_len", 0) or 0))
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+  """Pad prompt widths to powers of two so that new prompts rarely recompile."""
+  width = minimum
+  while width < n:
+    width *= 2
+  return width
+
+
+def encode_prompts(loaded: loading.LoadedModel, texts: list[str]) -> Prompt:
+  tok, model = loaded.tokenizer, loaded.model
+  rows = []
+  for text in texts:
+    ids = list(tok.encode(text))
+    if model.is_encoder_decoder:
+      ids = ids + [tok.eos_id]                       # T5 inputs end with EOS
+    elif tok.bos_id is not None and tok.bos_id >= 0:
+      ids = [tok.bos_id] + ids
+    rows.append(ids)
+  return Prompt.from_lists(rows, pad_to=bucket(max(len(r) for r in rows)), pad_id=tok.pad_id)
+
+
+def decode_rows(loaded: loading.LoadedModel, tokens, lengths) -> list[tuple[list[int], str]]:
+  out = []
+  for row, n in zip(np.asarray(tokens), np.asarray(lengths)):
+    ids = [int(t) for t in row[:n]]
+    text_ids = ids[:-1] if ids and ids[-1] == loaded.tokenizer.eos_id else ids
+    out.append((ids, loaded.tokenizer.decode(text_ids)))
+  return out
+
+
+def stats_rows(stats, batch: int) -> list[dict]:
+  if stats is None:
+    return [{} for _ in range(batch)]
+  arrays = {f: np.asarray(getattr(stats, f)) for f in STAT_FIELDS if hasattr(stats, f)}
+  return [{f: int(a[i]) for f, a in arrays.items()} for i in range(batch)]
+
+
+def aggregate(rows: list[dict]) -> dict:
+  total = {f: sum(r.get(f, 0) for r in rows) for f in STAT_FIELDS if any(f in r for r in rows)}
+  if total.get("verified"):
+    total["acceptance_rate"] = total["accepted"] / total["verified"]
+  if total.get("blocks"):
+    total["block_efficiency"] = total["emitted"] / total["blocks"]
+  return total
+
+
+def run(config, prompts: list[str]) -> dict:
+  dec = build(config)
+  batch_size = int(config.decode.get("batch_size", 1)) or 1
+  key = jax.random.PRNGKey(int(config.decode.seed))
+  results = []
+  for start in range(0, len(prompts), batch_size):
+    texts = prompts[start:start + batch_size]
+    prompt = encode_prompts(dec.target, texts)
+    draft_prompt = encode_prompts(dec.draft, texts) if dec.draft is not None else None
+    gen = dec.generate(prompt, jax.random.fold_in(key, start), draft_prompt)
+    decoded = decode_rows(dec.target, gen.tokens, gen.lengths)
+    for text, (ids, out), st in zip(texts, decoded, stats_rows(gen.stats, len(texts))):
+      results.append({"prompt": text, "text": out, "tokens": ids, "stats": st})
+  mode = "speculative" if dec.draft is not None else "autoregressive"
+  return {"settings": {"mode": mode, **config.to_dict()}, "results": results,
+          "stats": aggregate([r["stats"] for r in results])}
+
+
+def summary_line(stats: dict, wall_s: float) -> str:
+  emitted = stats.get("emitted", 0)
+  parts = [f"{emitted} tokens in {wall_s:.2f}s (incl. compile)"]
+  if "acceptance_rate" in stats:
+    parts.append(f"alpha {stats['acceptance_rate']:.3f}")
+  if "block_efficiency" in stats:
+    parts.append(f"tau {stats['block_efficiency']:.2f}")
+  for f in ("blocks", "target_passes", "draft_passes"):
+    if f in stats:
+      parts.append(f"{f} {stats[f]}")
+  return "stats: " + ", ".join(parts)

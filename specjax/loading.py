@@ -32,6 +32,16 @@ def load(section: ml_collections.ConfigDict, role: str) -> LoadedModel:
   flag = f"--config.{role}.checkpoint"
   path = checkpoint_dir(section, flag)
   model, params = hf_import.load_model(str(path), section.get("dtype", "float32"), flag)
-  from specjax.data import tokenizers
-  tokenizer = tokenizers.load_dir(path)
+  tokenizer = load_tokenizer(section, path)
   return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tokenizer, path=path)
+
+
+SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained checkpoints
+
+
+def load_tokenizer(section: ml_collections.ConfigDict, path: Path):
+  """`section.tokenizer` if set, else the checkpoint's own: spm.model or the HF tokenizer files."""
+  from specjax.data.tokenizer import get_tokenizer
+  spec = section.get("tokenizer") or (str(path / SPM_FILE) if (path / SPM_FILE).exists()
+                                       else str(path))
+  return get_tokenizer(spec)

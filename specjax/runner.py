@@ -136,3 +136,21 @@ def summary_line(stats: dict, wall_s: float) -> str:
     if f in stats:
       parts.append(f"{f} {stats[f]}")
   return "stats: " + ", ".join(parts)
+
+
+def eval_source(config):
+  """The config's task source (validation prompts and references for the eval tools)."""
+  from specjax.data.source import SourceConfig, make_source
+  d = config.data
+  fields = {k: int(d[k]) for k in ("lm_prompt_len", "max_target_len", "max_prompt_len") if k in d}
+  return make_source(d.task, d.tokenizer, SourceConfig(batch_size=1, **fields))
+
+
+def eval_examples(config, n: int, split: str = "validation") -> list[tuple[str, str]]:
+  return eval_source(config).eval_examples(split, n)
+
+
+def eval_prompts(config, n: int) -> list[str]:
+  if config.get("data"):
+    return [p for p, _ in eval_examples(config, n)]
+  return list(config.get("prompts", []))[:n]

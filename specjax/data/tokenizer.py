@@ -1,0 +1,213 @@
+"""Tokenizers: SentencePiece models trained here on the offline corpus, and local HF tokenizers.
+
+Both wrappers expose one interface (what data sources, decoding CLIs and the cross-vocabulary rules
+use): `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `pad_id`, `eos_id`,
+`bos_id`, `unk_id`, `id_to_piece(id)`, `piece_to_id(piece)`.
+
+SentencePiece settings (why):
+* ids pad=0, eos=1, unk=2, bos=3: pad=0 matches T5 (its decoder start token is pad) and the
+  zero-initialised buffers of the models; eos=1 as in T5.
+* `byte_fallback=True` and `normalization_rule_name="identity"`, no whitespace collapsing, no dummy
+  prefix: any text round-trips exactly (`decode(encode(t)) == t`), and decoding is concatenative
+  (`decode(a + b) == decode(a) + decode(b)` unless a UTF-8 byte sequence is split), which the
+  string-level SD algorithms rely on.
+* "\n" is a user-defined piece and whitespace-only pieces are allowed, so indentation costs one
+  token per level rather than one per space.
+
+Trained models are cached under `cache_dir()` in a file named by the training settings; a second
+call with the same settings loads it (`stdlib_tokenizer`, `get_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pathlib
+import re
+import time
+from typing import Iterable, Sequence
+
+import sentencepiece as spm
+
+from specjax.data.cache import atomic_write_bytes, cache_dir, settings_key
+
+PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
+MODEL_TYPES = ("unigram", "bpe")
+TRAINER_VERSION = 1
+_SPEC = re.compile(r"^stdlib:(unigram|bpe):(\d+)$")
+
+
+def _ints(ids) -> list[int]:
+  return [int(i) for i in getattr(ids, "tolist", lambda: ids)()]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tokenizer:
+  """A SentencePiece model. `decode` drops pad/eos/bos and ids outside the vocabulary (models may
+  pad their vocabulary to a round size), so raw generated ids can be decoded directly."""
+  path: str
+  sp: spm.SentencePieceProcessor = dataclasses.field(repr=False)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    path = str(path)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"no SentencePiece model at {path}: train one with "
+                              "specjax.data.tokenizer.stdlib_tokenizer() or pass a .model file")
+    return cls(path=path, sp=spm.SentencePieceProcessor(model_file=path))
+
+  @property
+  def vocab_size(self) -> int:
+    return self.sp.get_piece_size()
+
+  @property
+  def pad_id(self) -> int:
+    return self.sp.pad_id()
+
+  @property
+  def eos_id(self) -> int:
+    return self.sp.eos_id()
+
+  @property
+  def bos_id(self) -> int:
+    return self.sp.bos_id()
+
+  @property
+  def unk_id(self) -> int:
+    return self.sp.unk_id()
+
+  def encode(self, text: str) -> list[int]:
+    return self.sp.encode(text)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    special = {self.pad_id, self.eos_id, self.bos_id}
+    return self.sp.decode([i for i in _ints(ids) if 0 <= i < self.vocab_size and i not in special])
+
+  def id_to_piece(self, i: int) -> str:
+    return self.sp.id_to_piece(int(i))
+
+  def piece_to_id(self, piece: str) -> int:
+    return self.sp.piece_to_id(piece)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HFTokenizer:
+  """A Hugging Face tokenizer from a local checkpoint directory, with the `Tokenizer` interface.
+
+  `encode` adds no special tokens (the data sources add BOS/EOS themselves). Where the checkpoint
+  defines no pad token (GPT-2), `pad_id` falls back to `eos_id`; no BOS falls back to `eos_id` too.
+  """
+  path: str
+  tok: object = dataclasses.field(repr=False)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> "HFTokenizer":
+    import transformers   # heavy import, only when used
+    if not os.path.isdir(path):
+      raise FileNotFoundError(f"no Hugging Face checkpoint directory at {path}: pass a local "
+                              "directory holding tokenizer.json / tokenizer_config.json")
+    tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tok.eos_token_id is None:
+      raise ValueError(f"the tokenizer in {path} defines no EOS token; set eos_token in its "
+                       "tokenizer_config.json")
+    return cls(path=str(path), tok=tok)
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.tok)
+
+  @property
+  def eos_id(self) -> int:
+    return self.tok.eos_token_id
+
+  @property
+  def pad_id(self) -> int:
+    return self.eos_id if self.tok.pad_token_id is None else self.tok.pad_token_id
+
+  @property
+  def bos_id(self) -> int:
+    return self.eos_id if self.tok.bos_token_id is None else self.tok.bos_token_id
+
+  @property
+  def unk_id(self) -> int | None:
+    return self.tok.unk_token_id
+
+  def encode(self, text: str) -> list[int]:
+    return list(self.tok.encode(text, add_special_tokens=False))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    ids = [i for i in _ints(ids) if 0 <= i < self.vocab_size]
+    return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+  def id_to_piece(self, i: int) -> str:
+    return self.tok.convert_ids_to_tokens(int(i))
+
+  def piece_to_id(self, piece: str) -> int:
+    return self.tok.convert_tokens_to_ids(piece)
+
+
+def train_sentencepiece(texts: Iterable[str], path: str | os.PathLike, *,
+                        model_type: str = "unigram", vocab_size: int = 8000,
+                        num_threads: int = 2) -> pathlib.Path:
+  """Train a SentencePiece model on `texts` (one example per string, newlines allowed) to `path`."""
+  if model_type not in MODEL_TYPES:
+    raise ValueError(f"model_type {model_type!r} is not one of {MODEL_TYPES}")
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(texts), model_writer=model, model_type=model_type,
+      vocab_size=vocab_size, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=BOS_ID,
+      byte_fallback=True, character_coverage=0.9995, normalization_rule_name="identity",
+      remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
+      split_digits=True, user_defined_symbols=["\n"], max_sentence_length=1 << 16,
+      num_threads=num_threads, minloglevel=2)
+  path = pathlib.Path(path)
+  atomic_write_bytes(path, model.getvalue())
+  return path
+
+
+def stdlib_tokenizer(model_type: str = "unigram", vocab_size: int = 8000, *,
+                     max_chars: int | None = None, verbose: bool = True) -> Tokenizer:
+  """A SentencePiece model trained on the `stdlib_lm` train split (first `max_chars` characters
+  of it if given), cached under `cache_dir()` by its settings."""
+  from specjax.data import stdlib_corpus
+  corpus = stdlib_corpus.load_corpus(verbose=verbose)
+  settings = {"v": TRAINER_VERSION, "corpus": corpus.digest, "type": model_type,
+              "vocab": vocab_size, "max_chars": max_chars, "sp": spm.__version__}
+  path = cache_dir() / f"sp-stdlib-{model_type}{vocab_size}-{settings_key(settings)}.model"
+  if not path.exists():
+    texts = _take_chars(corpus.lm_split("train"), max_chars)
+    if verbose:
+      print(f"specjax: training SentencePiece {model_type} vocab={vocab_size} on {len(texts)} "
+            f"texts ({sum(map(len, texts)) / 1e6:.1f} MB) ...", flush=True)
+    start = time.perf_counter()
+    train_sentencepiece(texts, path, model_type=model_type, vocab_size=vocab_size)
+    if verbose:
+      print(f"specjax: tokenizer trained in {time.perf_counter() - start:.1f}s -> {path}")
+  return Tokenizer.load(path)
+
+
+def _take_chars(texts: Sequence[str], max_chars: int | None) -> list[str]:
+  if max_chars is None:
+    return list(texts)
+  out, total = [], 0
+  for t in texts:
+    if total >= max_chars:
+      break
+    out.append(t)
+    total += len(t)
+  return out
+
+
+def get_tokenizer(spec: str) -> Tokenizer | HFTokenizer:
+  """A tokenizer from a config string: "stdlib:unigram:8000" / "stdlib:bpe:2000" (trained and
+  cached on first use), a SentencePiece .model file, or a local Hugging Face checkpoint dir."""
+  match = _SPEC.match(spec)
+  if match:
+    return stdlib_tokenizer(match.group(1), int(match.group(2)))
+  if os.path.isdir(spec):
+    return HFTokenizer.load(spec)
+  if os.path.isfile(spec):
+    return Tokenizer.load(spec)
+  raise ValueError(f"tokenizer {spec!r} is neither 'stdlib:<unigram|bpe>:<vocab_size>', a "
+                   "SentencePiece .model file, nor a local Hugging Face checkpoint directory")

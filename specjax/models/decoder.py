@@ -1,0 +1,398 @@
+"""A GPT-2 compatible decoder-only LM that follows the model contract (specjax/models/__init__.py).
+
+Pre-norm transformer blocks with learned absolute position embeddings, so that Hugging Face `gpt2`
+checkpoints load unchanged (`hf_import.load_model`) and logits match `GPT2LMHeadModel`. The same
+code serves the DistillSpec LM1B pair (`lm1b_config`) trained from scratch.
+
+Every forward pass is `extend`: the T new tokens of row b sit at absolute positions
+lengths[b] .. lengths[b]+T-1, their keys/values are written into the explicit `KVCache` there, and
+attention is causal over the cache. `prefill` is `extend` from an empty cache plus a gather of the
+last prompt position of each row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models import Prompt
+from specjax.models import kv_cache as kvc
+
+Params = Any
+
+_ACTIVATIONS = {
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+  """Hyperparameters of the GPT-2 style LM. Defaults are HF `gpt2` (124M)."""
+  vocab_size: int = 50257
+  n_positions: int = 1024          # max sequence length (size of the position table)
+  d_model: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  d_ff: int = 3072
+  layer_norm_epsilon: float = 1e-5
+  activation: str = "gelu_new"
+  tie_word_embeddings: bool = True
+  bos_token_id: int = 50256
+  eos_token_id: int = 50256
+  pad_token_id: int = 50256
+  dtype: str = "float32"           # params and activations; logits are always float32
+
+  def __post_init__(self):
+    if self.activation not in _ACTIVATIONS:
+      raise ValueError(f"activation '{self.activation}' is not supported; use one of "
+                       f"{sorted(_ACTIVATIONS)}.")
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"dtype '{self.dtype}' is not supported; use one of {_DTYPES}.")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}.")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+def lm1b_config(size: str, **overrides) -> DecoderConfig:
+  """The DistillSpec LM1B pair (Appendix B): 'target' (~234M) and 'draft' (~33M), T5 32k vocab.
+
+  Token ids follow the T5 SentencePiece model (pad 0 doubles as BOS, eos 1). LM1B uses 128 input
+  and 128 output tokens, hence 256 positions. With GPT-2's plain GELU MLP and tied embeddings the
+  pair has 184M / 25M parameters; the paper's 234M / 33M imply a gated FFN (papers/distillspec.md).
+  """
+  sizes = {
+      "target": dict(d_model=1024, d_ff=4096, num_layers=12, num_heads=16),
+      "draft": dict(d_model=512, d_ff=1024, num_layers=4, num_heads=4),
+  }
+  if size not in sizes:
+    raise ValueError(f"unknown LM1B size '{size}'; use one of {sorted(sizes)}.")
+  base = dict(vocab_size=32128, n_positions=256, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+  return DecoderConfig(**{**base, **sizes[size], **overrides})
+
+
+# ---------------------------------------------------------------------------------------------
+# Linen modules.
+
+
+def _init(std: float):
+  return nn.initializers.normal(stddev=std)
+
+
+class _Table(nn.Module):
+  """One named weight matrix (embedding tables, untied LM head), read as a raw array."""
+  leaf: str
+  shape: tuple[int, int]
+  std: float
+  dtype: str
+
+  @nn.compact
+  def __call__(self):
+    return self.param(self.leaf, _init(self.std), self.shape, jnp.dtype(self.dtype))
+
+
+class _Attention(nn.Module):
+  cfg: DecoderConfig
+
+  @nn.compact
+  def __call__(self, x, k_buf, v_buf, lengths, mask):
+    """x [B,T,D]; k_buf, v_buf [B,S,H,Dh] one layer of the cache; mask [B,T,S]."""
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    batch, num_new, _ = x.shape
+    heads, head_dim = cfg.num_heads, cfg.head_dim
+    dense = functools.partial(nn.Dense, heads * head_dim, dtype=dt, param_dtype=dt,
+                              kernel_init=_init(0.02))
+    q = dense(name="query")(x).reshape(batch, num_new, heads, head_dim)          # [B, T, H, Dh]
+    k = dense(name="key")(x).reshape(batch, num_new, heads, head_dim)
+    v = dense(name="value")(x).reshape(batch, num_new, heads, head_dim)
+    k_buf = kvc.write_layer(k_buf, k, lengths)                                 # [B, S, H, Dh]
+    v_buf = kvc.write_layer(v_buf, v, lengths)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k_buf,
+                        preferred_element_type=jnp.float32) / math.sqrt(head_dim)  # [B, H, T, S]
+    scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    ctx = jnp.einsum("bhts,bshd->bthd", probs, v_buf).reshape(batch, num_new, heads * head_dim)
+    out = nn.Dense(cfg.d_model, dtype=dt, param_dtype=dt, name="out",
+                   kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(ctx)  # [B, T, D]
+    return out, k_buf, v_buf
+
+
+class _Mlp(nn.Module):
+  cfg: DecoderConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    h = nn.Dense(cfg.d_ff, dtype=dt, param_dtype=dt, name="wi", kernel_init=_init(0.02))(x)
+    h = _ACTIVATIONS[cfg.activation](h)                                        # [B, T, F]
+    return nn.Dense(cfg.d_model, dtype=dt, param_dtype=dt, name="wo",
+                    kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(h)
+
+
+class _Block(nn.Module):
+  cfg: DecoderConfig
+
+  @nn.compact
+  def __call__(self, x, k_buf, v_buf, lengths, mask):
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    norm = functools.partial(nn.LayerNorm, epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt)
+    attn, k_buf, v_buf = _Attention(cfg, name="attention")(norm(name="ln_1")(x), k_buf, v_buf,
+                                                           lengths, mask)
+    x = x + attn
+    x = x + _Mlp(cfg, name="mlp")(norm(name="ln_2")(x))
+    return x, k_buf, v_buf
+
+
+class _Transformer(nn.Module):
+  """tokens [B,T] at positions lengths[b]+t -> (final-normed hidden, logits f32, new k, new v).
+
+  `select` ([B] indices into T, or None) keeps only one position per row before the LM head, so
+  that prefill does not compute [B,P,V] logits it throws away.
+  """
+  cfg: DecoderConfig
+
+  @nn.compact
+  def __call__(self, tokens, k, v, lengths, select=None):
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    num_new = tokens.shape[1]
+    wte = _Table("embedding", (cfg.vocab_size, cfg.d_model), 0.02, cfg.dtype,
+                 name="token_embed")()                                         # [V, D]
+    wpe = _Table("position_embedding", (cfg.n_positions, cfg.d_model), 0.01, cfg.dtype,
+                 name="pos_embed")()                                           # [N, D]
+    pos = kvc.positions(lengths, num_new)                                      # [B, T]
+    x = (jnp.take(wte, tokens, axis=0, mode="clip")
+         + jnp.take(wpe, pos, axis=0, mode="clip")).astype(dt)                  # [B, T, D]
+    mask = kvc.self_attention_mask(lengths, num_new, k.shape[2])                # [B, T, S]
+    for i in range(cfg.num_layers):   # .at[i].set keeps the [L,B,S,H,Dh] buffers updatable in place
+      x, k_i, v_i = _Block(cfg, name=f"layers_{i}")(x, k[i], v[i], lengths, mask)
+      k, v = k.at[i].set(k_i), v.at[i].set(v_i)
+    hidden = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt,
+                          name="ln_f")(x)                                      # [B, T, D]
+    if select is not None:
+      hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
+    if cfg.tie_word_embeddings:
+      logits = jnp.einsum("...d,vd->...v", hidden, wte, preferred_element_type=jnp.float32)
+    else:
+      head = _Table("kernel", (cfg.d_model, cfg.vocab_size), 0.02, cfg.dtype,
+                    name="lm_head")()                                          # [D, V]
+      logits = jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+    return hidden, logits, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# The model object the decoding loop sees.
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  """Frozen, hashable wrapper (a static jit argument) exposing the model contract."""
+  config: DecoderConfig
+  is_encoder_decoder: bool = dataclasses.field(default=False, init=False)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def hidden_size(self) -> int:
+    return self.config.d_model
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.config.dtype)
+
+  @property
+  def module(self) -> _Transformer:
+    return _Transformer(self.config)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def init_params(self, rng: jax.Array) -> Params:
+    """Plain nested dict: token_embed/embedding [V,D], pos_embed/position_embedding [N,D],
+    layers_i/{ln_1,ln_2}/{scale,bias}, layers_i/attention/{query,key,value,out}/{kernel,bias},
+    layers_i/mlp/{wi,wo}/{kernel,bias}, ln_f/{scale,bias}, lm_head/kernel [D,V] if untied."""
+    cache = self.init_cache(1, 1)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    variables = self.module.init(rng, tokens, cache.k, cache.v, cache.lengths)
+    return flax.core.unfreeze(variables["params"])
+
+  def init_cache(self, batch: int, max_len: int, enc_len: int = 0) -> kvc.KVCache:
+    cfg = self.config
+    if max_len > cfg.n_positions:
+      raise ValueError(
+          f"cache of {max_len} positions exceeds the model's n_positions={cfg.n_positions} "
+          f"(its position-embedding table): lower --config.decode.max_len (or shorten the prompt / "
+          f"max_new_tokens) to at most {cfg.n_positions}.")
+    del enc_len  # decoder-only: no encoder
+    return kvc.init_cache(layers=cfg.num_layers, batch=batch, max_len=max_len,
+                          heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=self.dtype)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def prefill(self, params: Params, prompt: Prompt, cache: kvc.KVCache):
+    """Writes all P prompt entries of every row (pads included: they sit past lengths[b] and are
+    masked, then overwritten), sets cache.lengths = prompt.lengths and returns
+    (logits[B,V] f32, hidden[B,D]) at position lengths[b]-1."""
+    kvc.check_capacity(prompt.tokens.shape[1], cache.capacity, "prompt")
+    start = jnp.zeros_like(cache.lengths)
+    hidden, logits, k, v = self.module.apply({"params": params}, prompt.tokens, cache.k, cache.v,
+                                             start, select=prompt.lengths - 1)
+    cache = cache.replace(k=k, v=v, lengths=prompt.lengths.astype(jnp.int32))
+    return logits, hidden, cache
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def extend(self, params: Params, tokens: jax.Array, cache: kvc.KVCache):
+    """tokens [B,T] at positions lengths[b]+t -> (logits[B,T,V] f32, hidden[B,T,D], cache with
+    lengths + T). Capacity (lengths + T <= S) is the caller's host-side check."""
+    kvc.check_capacity(tokens.shape[1], cache.capacity, "extend block")
+    hidden, logits, k, v = self.module.apply({"params": params}, tokens, cache.k, cache.v,
+                                             cache.lengths)
+    cache = cache.replace(k=k, v=v, lengths=cache.lengths + tokens.shape[1])
+    return logits, hidden, cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face GPT-2 import / export (dispatched to by hf_import.py).
+
+MODEL_TYPES = ("gpt2",)
+MODEL_CLASS = Decoder
+_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")   # causal-mask buffers in old GPT-2 files
+
+
+def model_from_hf_config(hf_config: dict, dtype: str) -> Decoder:
+  """GPT2Config dict -> Decoder; refuses the GPT-2 options this implementation does not have."""
+  if hf_config.get("model_type") not in MODEL_TYPES:
+    raise ValueError(f"model_type '{hf_config.get('model_type')}' is not a GPT-2 checkpoint.")
+  if not hf_config.get("scale_attn_weights", True) or hf_config.get(
+      "scale_attn_by_inverse_layer_idx", False) or hf_config.get("add_cross_attention", False):
+    raise ValueError("GPT-2 options scale_attn_weights=False, scale_attn_by_inverse_layer_idx and "
+                     "add_cross_attention are not supported by specjax.models.decoder.")
+  d_model = hf_config["n_embd"]
+  eos = hf_config.get("eos_token_id", 50256)
+  pad = hf_config.get("pad_token_id")
+  return Decoder(DecoderConfig(
+      vocab_size=hf_config["vocab_size"],
+      n_positions=hf_config.get("n_positions", hf_config.get("n_ctx", 1024)),
+      d_model=d_model, num_layers=hf_config["n_layer"], num_heads=hf_config["n_head"],
+      d_ff=hf_config.get("n_inner") or 4 * d_model,
+      layer_norm_epsilon=hf_config.get("layer_norm_epsilon", 1e-5),
+      activation=hf_config.get("activation_function", "gelu_new"),
+      tie_word_embeddings=hf_config.get("tie_word_embeddings", True),
+      bos_token_id=hf_config.get("bos_token_id", 50256), eos_token_id=eos,
+      pad_token_id=eos if pad is None else pad, dtype=dtype))
+
+
+def _hf_layer_names(i: int) -> dict[str, tuple[str, ...]]:
+  """HF GPT-2 tensor name (without `transformer.`) -> specjax param path, for all but c_attn."""
+  h, ours = f"h.{i}", f"layers_{i}"
+  return {
+      f"{h}.attn.c_proj.weight": (ours, "attention", "out", "kernel"),
+      f"{h}.attn.c_proj.bias": (ours, "attention", "out", "bias"),
+      f"{h}.ln_1.weight": (ours, "ln_1", "scale"), f"{h}.ln_1.bias": (ours, "ln_1", "bias"),
+      f"{h}.ln_2.weight": (ours, "ln_2", "scale"), f"{h}.ln_2.bias": (ours, "ln_2", "bias"),
+      f"{h}.mlp.c_fc.weight": (ours, "mlp", "wi", "kernel"),
+      f"{h}.mlp.c_fc.bias": (ours, "mlp", "wi", "bias"),
+      f"{h}.mlp.c_proj.weight": (ours, "mlp", "wo", "kernel"),
+      f"{h}.mlp.c_proj.bias": (ours, "mlp", "wo", "bias"),
+  }
+
+
+def _hf_names(model: Decoder) -> dict[str, tuple[str, ...]]:
+  names = {"wte.weight": ("token_embed", "embedding"),
+           "wpe.weight": ("pos_embed", "position_embedding"),
+           "ln_f.weight": ("ln_f", "scale"), "ln_f.bias": ("ln_f", "bias")}
+  for i in range(model.config.num_layers):
+    names.update(_hf_layer_names(i))
+  return names
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def params_from_hf(model: Decoder, tensors: dict[str, np.ndarray]) -> Params:
+  """HF GPT-2 tensors -> params. Conv1D weights are already [in, out]; c_attn [D,3D] splits into
+  query/key/value. Names with or without the `transformer.` prefix are accepted."""
+  cfg = model.config
+  flat = {k.removeprefix("transformer."): np.asarray(v) for k, v in tensors.items()
+          if not k.endswith(_HF_BUFFERS)}
+  names = _hf_names(model)
+  wanted = set(names) | {f"h.{i}.attn.c_attn.{w}" for i in range(cfg.num_layers)
+                         for w in ("weight", "bias")}
+  if not cfg.tie_word_embeddings:
+    wanted.add("lm_head.weight")
+  missing = sorted(wanted - set(flat))
+  if missing:
+    raise ValueError(f"GPT-2 checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}: does "
+                     f"its config.json (n_layer={cfg.num_layers}, tie_word_embeddings="
+                     f"{cfg.tie_word_embeddings}) match the weights?")
+  dt = model.dtype
+  params: dict = {}
+  for name, path in names.items():
+    _set(params, path, jnp.asarray(flat[name], dt))
+  for i in range(cfg.num_layers):
+    for w, leaf in (("weight", "kernel"), ("bias", "bias")):
+      parts = np.split(flat[f"h.{i}.attn.c_attn.{w}"], 3, axis=-1)   # [D, 3D] -> 3 x [D, D]
+      for part, proj in zip(parts, ("query", "key", "value")):
+        _set(params, (f"layers_{i}", "attention", proj, leaf), jnp.asarray(part, dt))
+  if not cfg.tie_word_embeddings:
+    params["lm_head"] = {"kernel": jnp.asarray(flat["lm_head.weight"].T, dt)}   # [V,D] -> [D,V]
+  return params
+
+
+def params_to_hf(model: Decoder, params: Params) -> dict[str, np.ndarray]:
+  """params -> the tensors GPT2LMHeadModel.save_pretrained writes (with `transformer.` prefix)."""
+  cfg = model.config
+  as_np = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+  out = {f"transformer.{name}": as_np(_get(params, path))
+         for name, path in _hf_names(model).items()}
+  for i in range(cfg.num_layers):
+    attn = params[f"layers_{i}"]["attention"]
+    for w, leaf in (("weight", "kernel"), ("bias", "bias")):
+      out[f"transformer.h.{i}.attn.c_attn.{w}"] = np.concatenate(
+          [as_np(attn[p][leaf]) for p in ("query", "key", "value")], axis=-1)
+  if not cfg.tie_word_embeddings:
+    out["lm_head.weight"] = np.ascontiguousarray(as_np(params["lm_head"]["kernel"]).T)
+  return out
+
+
+def hf_config(model: Decoder) -> dict:
+  """config.json contents that transformers loads as GPT2LMHeadModel."""
+  cfg = model.config
+  return {
+      "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+      "vocab_size": cfg.vocab_size, "n_positions": cfg.n_positions, "n_ctx": cfg.n_positions,
+      "n_embd": cfg.d_model, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
+      "n_inner": cfg.d_ff, "activation_function": cfg.activation,
+      "layer_norm_epsilon": cfg.layer_norm_epsilon, "tie_word_embeddings": cfg.tie_word_embeddings,
+      "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+      "pad_token_id": cfg.pad_token_id, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+      "attn_pdrop": 0.0, "scale_attn_weights": True, "initializer_range": 0.02,
+  }

@@ -1,0 +1,530 @@
+"""T5 encoder-decoder (original T5 and T5 v1.1) behind the model contract of DESIGN.md §3.
+
+`prefill` encodes the right-padded prompt once and stores the cross-attention keys/values of every
+decoder layer in the KVCache; `extend` only runs the decoder. Decoder relative-position buckets come
+from ABSOLUTE per-row positions (query lengths[b]+t, key s), so a verify block of T tokens, T
+single-token calls, and a rewound-then-re-extended cache all see the same biases.
+
+Params are a plain nested dict, laid out by ONE table (`_param_table`, which also names the HF
+tensors) used by `init_params`, `params_from_hf` and `params_to_hf`:
+  shared/embedding [V,D]; lm_head/kernel [D,V] (only when untied);
+  {encoder,decoder}/relpos_bias [buckets,H]; {encoder,decoder}/final_norm/scale [D];
+  {encoder,decoder}/layers_i/{self_attn,cross_attn}/{query,key,value}/kernel [D,H*Dh],
+  .../out/kernel [H*Dh,D]; layers_i/{self_attn,cross_attn,mlp}_norm/scale [D];
+  layers_i/mlp/{wi | wi_0,wi_1}/kernel [D,F], layers_i/mlp/wo/kernel [F,D]
+  (cross_attn* in the decoder only).
+
+Tying is decided by the params: with `lm_head` present the head is untied, else the shared
+embedding is used. `T5Config.tie_word_embeddings` only says what `init_params` creates and what the
+export writes; this is needed because transformers >= 5 re-saves v1.1 checkpoints with
+`tie_word_embeddings: true` next to a distinct `lm_head.weight` (scaling then comes from
+`scale_decoder_outputs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models import Prompt
+from specjax.models import kv_cache as kvc
+
+Params = dict[str, Any]
+_DTYPES = ("float32", "bfloat16")
+_ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),        # HF "gelu" is the erf form
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),     # tanh approximation
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "silu": jax.nn.silu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+  vocab_size: int = 32128
+  d_model: int = 512
+  d_kv: int = 64                       # per-head width; num_heads * d_kv need not equal d_model
+  d_ff: int = 2048
+  num_heads: int = 8
+  num_layers: int = 6                  # encoder layers
+  num_decoder_layers: int = 6
+  relative_attention_num_buckets: int = 32
+  relative_attention_max_distance: int = 128
+  feed_forward_proj: str = "relu"      # "relu" (T5) or "gated-gelu" (v1.1, gelu_new); "[gated-]act"
+  tie_word_embeddings: bool = True     # T5: tied; v1.1: separate lm_head
+  scale_decoder_outputs: bool | None = None   # None: same as tie_word_embeddings (HF convention)
+  layer_norm_epsilon: float = 1e-6
+  pad_token_id: int = 0
+  eos_token_id: int = 1
+  decoder_start_token_id: int = 0
+  dtype: str = "float32"               # params and activations; logits are always float32
+
+  def __post_init__(self):
+    if self.scale_decoder_outputs is None:     # normalise, so that equal models compare equal
+      object.__setattr__(self, "scale_decoder_outputs", self.tie_word_embeddings)
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"T5 dtype '{self.dtype}' is not supported; use one of {_DTYPES}.")
+    if self.activation not in _ACTIVATIONS or len(self.feed_forward_proj.split("-")) > 2 or (
+        "-" in self.feed_forward_proj and not self.is_gated):
+      raise ValueError(f"feed_forward_proj '{self.feed_forward_proj}' is not supported; use "
+                       f"'relu', 'gated-gelu' or '[gated-]ACT' with ACT in {sorted(_ACTIVATIONS)}.")
+    if self.relative_attention_num_buckets < 4:
+      raise ValueError("relative_attention_num_buckets must be >= 4 (half of the bidirectional "
+                       f"buckets are exact offsets); got {self.relative_attention_num_buckets}.")
+
+  @property
+  def is_gated(self) -> bool:
+    return self.feed_forward_proj.startswith("gated-")
+
+  @property
+  def activation(self) -> str:
+    """HF `dense_act_fn`: "gated-gelu" means gelu_new for backward compatibility, as in HF."""
+    if self.feed_forward_proj == "gated-gelu":
+      return "gelu_new"
+    return self.feed_forward_proj.split("-")[-1]
+
+
+def relative_position_bucket(rel: jax.Array, *, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> jax.Array:
+  """Mesh-TF/HF bucketing of rel = key_pos - query_pos: exact for small |rel|, log-spaced up to
+  max_distance, then clipped. Float32 log, truncated, exactly as HF computes it.
+
+  Example (unidirectional, 32 buckets, max_distance 128): rel 0 -> 0, -5 -> 5, -20 -> 17,
+  -200 -> 31, +3 (a future key, masked anyway) -> 0.
+  """
+  buckets = jnp.zeros_like(rel)
+  if bidirectional:
+    num_buckets //= 2
+    buckets = buckets + (rel > 0).astype(rel.dtype) * num_buckets
+    rel = jnp.abs(rel)
+  else:
+    rel = -jnp.minimum(rel, 0)
+  max_exact = num_buckets // 2
+  scaled = (jnp.log(jnp.maximum(rel, 1).astype(jnp.float32) / max_exact)
+            / np.float32(math.log(max_distance / max_exact)) * (num_buckets - max_exact))
+  large = jnp.minimum(max_exact + scaled.astype(rel.dtype), num_buckets - 1)
+  return buckets + jnp.where(rel < max_exact, rel, large)
+
+
+def _attend(q, k, v, mask, bias):
+  """q [B,T,H,Dh], k/v [B,S,H,Dh], mask [B,T,S] bool, bias [B|1,H,T,S] or None -> [B,T,H*Dh].
+  No 1/sqrt(Dh): T5 folds the scale into its initialisation."""
+  scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+  if bias is not None:
+    scores = scores + bias
+  scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bhts,bshd->bthd", probs, v)                          # [B, T, H, Dh]
+  return out.reshape(out.shape[:2] + (-1,))
+
+
+class _Attention(nn.Module):
+  cfg: T5Config
+
+  def setup(self):
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    inner = cfg.num_heads * cfg.d_kv
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=dt, param_dtype=dt)
+    self.query, self.key, self.value = dense(inner), dense(inner), dense(inner)
+    self.out = dense(cfg.d_model)
+
+  def _heads(self, x):
+    return x.reshape(x.shape[:2] + (self.cfg.num_heads, self.cfg.d_kv))
+
+  def project_kv(self, x):
+    """x [B,S,D] -> keys, values [B,S,H,Dh]."""
+    return self._heads(self.key(x)), self._heads(self.value(x))
+
+  def __call__(self, x, k, v, mask, bias):
+    return self.out(_attend(self._heads(self.query(x)), k, v, mask, bias))
+
+
+class _Mlp(nn.Module):
+  cfg: T5Config
+
+  @nn.compact
+  def __call__(self, x):
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=dt, param_dtype=dt)
+    act = _ACTIVATIONS[cfg.activation]
+    if cfg.is_gated:
+      h = act(dense(cfg.d_ff, name="wi_0")(x)) * dense(cfg.d_ff, name="wi_1")(x)
+    else:
+      h = act(dense(cfg.d_ff, name="wi")(x))
+    return dense(cfg.d_model, name="wo")(h)
+
+
+def _norm(cfg: T5Config) -> nn.RMSNorm:
+  """T5 layer norm: RMS only (no mean, no bias), statistics in float32."""
+  dt = jnp.dtype(cfg.dtype)
+  return nn.RMSNorm(epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt)
+
+
+class _EncoderLayer(nn.Module):
+  cfg: T5Config
+
+  def setup(self):
+    self.self_attn_norm, self.self_attn = _norm(self.cfg), _Attention(self.cfg)
+    self.mlp_norm, self.mlp = _norm(self.cfg), _Mlp(self.cfg)
+
+  def __call__(self, x, mask, bias):
+    h = self.self_attn_norm(x)
+    x = x + self.self_attn(h, *self.self_attn.project_kv(h), mask, bias)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class _DecoderLayer(nn.Module):
+  cfg: T5Config
+
+  def setup(self):
+    self.self_attn_norm, self.self_attn = _norm(self.cfg), _Attention(self.cfg)
+    self.cross_attn_norm, self.cross_attn = _norm(self.cfg), _Attention(self.cfg)
+    self.mlp_norm, self.mlp = _norm(self.cfg), _Mlp(self.cfg)
+
+  def cross_kv(self, enc_out):
+    return self.cross_attn.project_kv(enc_out)
+
+  def __call__(self, x, layer_cache, lengths, self_mask, bias, cross_mask):
+    """layer_cache = (k_buf, v_buf [B,S,H,Dh], cross_k, cross_v [B,E,H,Dh]); returns the new
+    self-attention buffers with this block's T entries written at lengths[b]."""
+    k_buf, v_buf, cross_k, cross_v = layer_cache
+    h = self.self_attn_norm(x)
+    k, v = self.self_attn.project_kv(h)
+    k_buf, v_buf = kvc.write_layer(k_buf, k, lengths), kvc.write_layer(v_buf, v, lengths)
+    x = x + self.self_attn(h, k_buf, v_buf, self_mask, bias)
+    x = x + self.cross_attn(self.cross_attn_norm(x), cross_k, cross_v, cross_mask, None)
+    return x + self.mlp(self.mlp_norm(x)), k_buf, v_buf
+
+
+class _Stack(nn.Module):
+  """Encoder or decoder: relative-position table (shared by all layers), layers, final norm."""
+  cfg: T5Config
+  decoder: bool
+
+  def setup(self):
+    cfg = self.cfg
+    self.relpos_bias = self.param("relpos_bias", nn.initializers.zeros,
+                                  (cfg.relative_attention_num_buckets, cfg.num_heads),
+                                  jnp.dtype(cfg.dtype))
+    if self.decoder:
+      self.layers = [_DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
+    else:
+      self.layers = [_EncoderLayer(cfg) for _ in range(cfg.num_layers)]
+    self.final_norm = _norm(cfg)
+
+  def bias(self, query_pos, key_pos):
+    """query_pos [B|1,T], key_pos [S] absolute positions -> f32 bias [B|1,H,T,S]."""
+    buckets = relative_position_bucket(
+        key_pos[None, None, :] - query_pos[:, :, None], bidirectional=not self.decoder,
+        num_buckets=self.cfg.relative_attention_num_buckets,
+        max_distance=self.cfg.relative_attention_max_distance)
+    return jnp.take(self.relpos_bias, buckets, axis=0).astype(jnp.float32).transpose(0, 3, 1, 2)
+
+  def encode(self, x, enc_mask):
+    """x [B,E,D] embedded prompt, enc_mask [B,E] -> [B,E,D]; padded keys are masked."""
+    pos = jnp.arange(x.shape[1], dtype=jnp.int32)
+    bias = self.bias(pos[None], pos)                                      # [1, H, E, E]
+    mask = jnp.broadcast_to(enc_mask[:, None, :], (x.shape[0], x.shape[1], x.shape[1]))
+    for layer in self.layers:
+      x = layer(x, mask, bias)
+    return self.final_norm(x)
+
+  def cross_kv(self, enc_out):
+    """enc_out [B,E,D] -> cross keys, values [L,B,E,H,Dh]."""
+    kv = [layer.cross_kv(enc_out) for layer in self.layers]
+    return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+
+  def decode(self, x, cache: kvc.KVCache):
+    """x [B,T,D] embedded tokens at positions lengths[b]+t -> (hidden [B,T,D],
+    k, v [L,B,S,H,Dh])."""
+    num_new, capacity = x.shape[1], cache.capacity
+    self_mask = kvc.self_attention_mask(cache.lengths, num_new, capacity)    # [B, T, S]
+    bias = self.bias(kvc.positions(cache.lengths, num_new), jnp.arange(capacity, dtype=jnp.int32))
+    cross_mask = jnp.broadcast_to(cache.enc_mask[:, None, :],
+                                  (x.shape[0], num_new, cache.enc_mask.shape[1]))
+    ks, vs = [], []
+    for i, layer in enumerate(self.layers):
+      layer_cache = (cache.k[i], cache.v[i], cache.cross_k[i], cache.cross_v[i])
+      x, k, v = layer(x, layer_cache, cache.lengths, self_mask, bias, cross_mask)
+      ks.append(k)
+      vs.append(v)
+    return self.final_norm(x), jnp.stack(ks), jnp.stack(vs)
+
+
+class _T5Module(nn.Module):
+  cfg: T5Config
+
+  def setup(self):
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    self.shared = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=dt)
+    self.encoder = _Stack(cfg, decoder=False)
+    self.decoder = _Stack(cfg, decoder=True)
+    self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32, param_dtype=dt)
+
+  def encode_kv(self, tokens, enc_mask):
+    """tokens [B,E], enc_mask [B,E] -> cross keys, values [L,B,E,H,Dh]."""
+    return self.decoder.cross_kv(self.encoder.encode(self.shared(tokens), enc_mask))
+
+  def decode(self, tokens, cache: kvc.KVCache):
+    """tokens [B,T] -> (logits [B,T,V] f32, hidden [B,T,D], k, v [L,B,S,H,Dh])."""
+    hidden, k, v = self.decoder.decode(self.shared(tokens), cache)
+    if self.has_variable("params", "lm_head"):
+      return self.lm_head(hidden), hidden, k, v
+    scaled = hidden * (self.cfg.d_model ** -0.5) if self.cfg.scale_decoder_outputs else hidden
+    logits = jnp.einsum("btd,vd->btv", scaled, self.shared.embedding,
+                        preferred_element_type=jnp.float32)
+    return logits, hidden, k, v
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The model object the decoding loop sees.
+
+
+@dataclasses.dataclass(frozen=True)
+class T5:
+  """Frozen, hashable wrapper (a static jit argument) exposing the model contract."""
+  config: T5Config
+  is_encoder_decoder: bool = dataclasses.field(default=True, init=False)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def hidden_size(self) -> int:
+    return self.config.d_model
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.config.dtype)
+
+  @property
+  def module(self) -> _T5Module:
+    return _T5Module(self.config)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def init_params(self, rng: jax.Array) -> Params:
+    """T5 (mesh-tf / HF) initialisation, layout in the module docstring; lm_head iff untied.
+
+    Every tensor is a slice of ONE normal draw: on CPU each separate draw costs ~0.5 s of XLA
+    compile, and a T5 has ~100 tensors. (The draw is params-sized; for a huge model init sharded,
+    or import a checkpoint.)"""
+    cfg = self.config
+    paths = list(_param_table(cfg, untied=not cfg.tie_word_embeddings))
+    specs = [_leaf_spec(cfg, path) for path in paths]
+    sizes = [math.prod(shape) if std is not None else 0 for shape, std in specs]
+    noise = jax.random.normal(rng, (sum(sizes),), jnp.float32)
+    params: Params = {}
+    offset = 0
+    for path, (shape, std), size in zip(paths, specs, sizes):
+      if std is None:
+        value = jnp.ones(shape, self.dtype)
+      else:
+        value = (noise[offset:offset + size].reshape(shape) * std).astype(self.dtype)
+      _set(params, path, value)
+      offset += size
+    return params
+
+  def init_cache(self, batch: int, max_len: int, enc_len: int = 0) -> kvc.KVCache:
+    """Self-attention buffers for max_len decoder positions (the start token included) and
+    cross-attention buffers for an encoder of enc_len positions (the padded prompt width)."""
+    cfg = self.config
+    if enc_len < 1:
+      raise ValueError(f"T5.init_cache needs enc_len >= 1 (the padded prompt width), got "
+                       f"{enc_len}.")
+    cache = kvc.init_cache(layers=cfg.num_decoder_layers, batch=batch, max_len=max_len,
+                           heads=cfg.num_heads, head_dim=cfg.d_kv, dtype=self.dtype)
+    cross = jnp.zeros((cfg.num_decoder_layers, batch, enc_len, cfg.num_heads, cfg.d_kv), self.dtype)
+    return cache.replace(cross_k=cross, cross_v=cross, enc_mask=jnp.zeros((batch, enc_len), bool))
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def prefill(self, params: Params, prompt: Prompt, cache: kvc.KVCache):
+    """Encodes the right-padded prompt (pads masked), stores cross K/V and enc_mask, ingests the
+    decoder start token -> (logits[B,V] f32, hidden[B,D], cache with lengths == 1)."""
+    batch, width = prompt.tokens.shape
+    enc_len = cache.enc_mask.shape[1]
+    if batch != cache.lengths.shape[0]:
+      raise ValueError(f"prompt batch {batch} != cache batch {cache.lengths.shape[0]}: build the "
+                       f"cache with model.init_cache({batch}, ...).")
+    kvc.check_capacity(width, enc_len, "prompt (encoder)")
+    tokens = jnp.pad(prompt.tokens, ((0, 0), (0, enc_len - width)),
+                     constant_values=self.config.pad_token_id)
+    enc_mask = jnp.arange(enc_len, dtype=jnp.int32)[None, :] < prompt.lengths[:, None]   # [B, E]
+    cross_k, cross_v = self.module.apply({"params": params}, tokens, enc_mask,
+                                         method=_T5Module.encode_kv)
+    dt = cache.k.dtype
+    cache = cache.replace(cross_k=cross_k.astype(dt), cross_v=cross_v.astype(dt), enc_mask=enc_mask,
+                          lengths=jnp.zeros_like(cache.lengths))
+    start = jnp.full((batch, 1), self.config.decoder_start_token_id, jnp.int32)
+    logits, hidden, cache = self.extend(params, start, cache)
+    return logits[:, 0], hidden[:, 0], cache
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def extend(self, params: Params, tokens: jax.Array, cache: kvc.KVCache):
+    """tokens [B,T] at decoder positions lengths[b]+t -> (logits[B,T,V] f32, hidden[B,T,D]
+    (final-normed, before the output scaling), cache with lengths + T). Capacity
+    (lengths + T <= S) is the caller's host-side check."""
+    kvc.check_capacity(tokens.shape[1], cache.capacity, "extend block")
+    if cache.cross_k is None or cache.enc_mask is None:
+      raise ValueError("T5.extend needs a cache from T5.init_cache(batch, max_len, enc_len) "
+                       "filled by T5.prefill (it holds the encoder keys/values).")
+    logits, hidden, k, v = self.module.apply({"params": params}, tokens.astype(jnp.int32), cache,
+                                             method=_T5Module.decode)
+    cache = cache.replace(k=k, v=v, lengths=cache.lengths + tokens.shape[1])
+    return logits, hidden, cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face T5ForConditionalGeneration import / export (dispatched to by hf_import.py).
+
+MODEL_TYPES = ("t5",)
+MODEL_CLASS = T5
+# Present in some checkpoints, never used: copies of shared.weight, and an unused cross-attention
+# bias table that old transformers versions created.
+_HF_IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+               "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")
+
+
+def model_from_hf_config(hf_config: dict, dtype: str) -> T5:
+  get = hf_config.get
+  tie = bool(get("tie_word_embeddings", True))
+  eos = get("eos_token_id", 1)
+  pad = get("pad_token_id", 0)
+  pad = 0 if pad is None else pad
+  start = get("decoder_start_token_id")
+  return T5(T5Config(
+      vocab_size=hf_config["vocab_size"], d_model=hf_config["d_model"], d_kv=hf_config["d_kv"],
+      d_ff=hf_config["d_ff"], num_heads=hf_config["num_heads"], num_layers=hf_config["num_layers"],
+      num_decoder_layers=get("num_decoder_layers") or hf_config["num_layers"],
+      relative_attention_num_buckets=get("relative_attention_num_buckets", 32),
+      relative_attention_max_distance=get("relative_attention_max_distance", 128),
+      feed_forward_proj=get("feed_forward_proj", "relu"), tie_word_embeddings=tie,
+      scale_decoder_outputs=bool(get("scale_decoder_outputs", tie)),
+      layer_norm_epsilon=get("layer_norm_epsilon", 1e-6), pad_token_id=pad,
+      eos_token_id=eos[0] if isinstance(eos, (list, tuple)) else eos,
+      decoder_start_token_id=pad if start is None else start, dtype=dtype))
+
+
+def _param_table(cfg: T5Config, untied: bool) -> dict[tuple[str, ...], tuple[str, bool]]:
+  """THE parameter layout: our param path -> (HF tensor name, transposed?). Used by init, import
+  and export. torch Linear weights are [out, in], ours [in, out]."""
+  names = {("shared", "embedding"): ("shared.weight", False)}
+  if untied:
+    names[("lm_head", "kernel")] = ("lm_head.weight", True)
+  ff = ("wi_0", "wi_1", "wo") if cfg.is_gated else ("wi", "wo")
+  for stack, num in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
+    names[(stack, "relpos_bias")] = (
+        f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", False)
+    names[(stack, "final_norm", "scale")] = (f"{stack}.final_layer_norm.weight", False)
+    subs = [("self_attn", "SelfAttention")]
+    subs += [("cross_attn", "EncDecAttention")] if stack == "decoder" else []
+    for i in range(num):
+      ours = (stack, f"layers_{i}")
+      for j, (attn, hf_attn) in enumerate(subs):
+        hf = f"{stack}.block.{i}.layer.{j}"
+        for proj, hf_proj in zip(("query", "key", "value", "out"), "qkvo"):
+          names[ours + (attn, proj, "kernel")] = (f"{hf}.{hf_attn}.{hf_proj}.weight", True)
+        names[ours + (f"{attn}_norm", "scale")] = (f"{hf}.layer_norm.weight", False)
+      hf = f"{stack}.block.{i}.layer.{len(subs)}"
+      for proj in ff:
+        names[ours + ("mlp", proj, "kernel")] = (f"{hf}.DenseReluDense.{proj}.weight", True)
+      names[ours + ("mlp_norm", "scale")] = (f"{hf}.layer_norm.weight", False)
+  return names
+
+
+def _leaf_spec(cfg: T5Config, path: tuple[str, ...]) -> tuple[tuple[int, ...], float | None]:
+  """(shape, init std) of a param; std None means ones (norm scales). Stds as mesh-tf / HF T5."""
+  name = path[-2] if path[-1] == "kernel" else path[-1]
+  d, f, inner = cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.d_kv
+  return {
+      "embedding": ((cfg.vocab_size, d), 1.0), "lm_head": ((d, cfg.vocab_size), 1.0),
+      "relpos_bias": ((cfg.relative_attention_num_buckets, cfg.num_heads), d ** -0.5),
+      "query": ((d, inner), (d * cfg.d_kv) ** -0.5), "key": ((d, inner), d ** -0.5),
+      "value": ((d, inner), d ** -0.5), "out": ((inner, d), inner ** -0.5),
+      "wi": ((d, f), d ** -0.5), "wi_0": ((d, f), d ** -0.5), "wi_1": ((d, f), d ** -0.5),
+      "wo": ((f, d), f ** -0.5), "scale": ((d,), None),
+  }[name]
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _untied_in_checkpoint(model: T5, tensors: dict[str, np.ndarray]) -> bool:
+  """A separate head when the config says so, or when lm_head.weight differs from shared.weight
+  (transformers >= 5 writes tie_word_embeddings=true for v1.1 and keeps the real lm_head)."""
+  if "lm_head.weight" not in tensors:
+    return False
+  if not model.config.tie_word_embeddings:
+    return True
+  return not np.array_equal(np.asarray(tensors["lm_head.weight"]),
+                            np.asarray(tensors["shared.weight"]))
+
+
+def params_from_hf(model: T5, tensors: dict[str, np.ndarray]) -> Params:
+  names = _param_table(model.config, _untied_in_checkpoint(model, tensors))
+  missing = [hf for hf, _ in names.values() if hf not in tensors]
+  if missing:
+    raise ValueError(f"T5 checkpoint lacks {len(missing)} tensors the config implies, e.g. "
+                     f"{missing[:3]}: config.json does not match model.safetensors.")
+  known = {hf for hf, _ in names.values()} | set(_HF_IGNORED) | {"lm_head.weight"}
+  unexpected = sorted(set(tensors) - known)
+  if unexpected:
+    raise ValueError(f"T5 checkpoint has {len(unexpected)} tensors the config does not explain, "
+                     f"e.g. {unexpected[:3]}: check num_layers / feed_forward_proj in config.json.")
+  params: Params = {}
+  for path, (hf, transpose) in names.items():
+    array = np.asarray(tensors[hf])
+    array = array.T if transpose else array
+    want = _leaf_spec(model.config, path)[0]
+    if array.shape != want:
+      raise ValueError(f"T5 checkpoint tensor {hf} has shape {tensors[hf].shape}; the config "
+                       f"implies {want[::-1] if transpose else want}: config.json does not match "
+                       f"the weights.")
+    _set(params, path, jnp.asarray(array, model.dtype))
+  return params
+
+
+def params_to_hf(model: T5, params: Params) -> dict[str, np.ndarray]:
+  out = {}
+  for path, (hf, transpose) in _param_table(model.config, "lm_head" in params).items():
+    array = np.asarray(_get(params, path))
+    out[hf] = array.T if transpose else array
+  return out
+
+
+def hf_config(model: T5) -> dict:
+  """A config.json that transformers (4.x and 5.x) loads as T5ForConditionalGeneration."""
+  cfg = model.config
+  return {
+      "architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
+      "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "d_kv": cfg.d_kv, "d_ff": cfg.d_ff,
+      "num_heads": cfg.num_heads, "num_layers": cfg.num_layers,
+      "num_decoder_layers": cfg.num_decoder_layers,
+      "relative_attention_num_buckets": cfg.relative_attention_num_buckets,
+      "relative_attention_max_distance": cfg.relative_attention_max_distance,
+      "feed_forward_proj": cfg.feed_forward_proj, "dense_act_fn": cfg.activation,
+      "is_gated_act": cfg.is_gated, "layer_norm_epsilon": cfg.layer_norm_epsilon,
+      "tie_word_embeddings": cfg.tie_word_embeddings,
+      "scale_decoder_outputs": cfg.scale_decoder_outputs,
+      "pad_token_id": cfg.pad_token_id, "eos_token_id": cfg.eos_token_id,
+      "decoder_start_token_id": cfg.decoder_start_token_id, "is_encoder_decoder": True,
+      "dropout_rate": 0.1, "initializer_factor": 1.0, "use_cache": True, "torch_dtype": "float32",
+  }

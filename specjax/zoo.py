@@ -1,0 +1,134 @@
+"""The embedded default pairs: trained here, by specjax's own trainers, on the offline corpus.
+
+`ensure("tiny/target")` returns a local Hugging Face-layout checkpoint directory (config.json,
+model.safetensors, spm.model), building the whole pair the first time:
+
+  1. train the SentencePiece tokenizer on the stdlib corpus (specjax.data),
+  2. pretrain the target, 3. pretrain the draft (NLL, `train.pretrain`'s trainer),
+  4. DistillSpec-distill the draft towards the target (`train.distill`'s trainer) -> draft_distilled.
+
+Each stage shows progress, checkpoints into CACHE/zoo/NAME/work/STAGE (a killed build resumes),
+and exports its model when done. CACHE is $SPECJAX_CACHE or ~/.cache/specjax.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import ml_collections as mlc
+
+from specjax.data.cache import cache_dir
+
+ROLES = ("target", "draft", "draft_distilled")
+
+
+def _decoder(d_model, layers, heads, d_ff, vocab, positions=256):
+  return mlc.ConfigDict(dict(arch="decoder", vocab_size=vocab, n_positions=positions,
+                             d_model=d_model, num_layers=layers, num_heads=heads, d_ff=d_ff,
+                             bos_token_id=3, eos_token_id=1, pad_token_id=0, init_from=""))
+
+
+def _t5(d_model, layers, heads, d_kv, d_ff, vocab):
+  return mlc.ConfigDict(dict(arch="t5", vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=d_ff,
+                             num_heads=heads, num_layers=layers, num_decoder_layers=layers,
+                             feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                             init_from=""))
+
+
+def recipe(name: str) -> mlc.ConfigDict:
+  """The training config of a pair (trainer schema of specjax.distill.trainer)."""
+  vocab, tokenizer = 2000, "stdlib:bpe:2000"
+  c = mlc.ConfigDict()
+  if name == "tiny":
+    c.target, c.draft = _decoder(256, 4, 4, 1024, vocab), _decoder(64, 1, 2, 256, vocab)
+    c.data = mlc.ConfigDict(dict(source="task", task="stdlib_lm", tokenizer=tokenizer,
+                                 lm_prompt_len=32, max_target_len=64, eos_id=1, pad_id=0, seed=0))
+    steps = dict(target=1500, draft=800, distill=300)
+  elif name == "tiny_t5":
+    c.target, c.draft = _t5(256, 3, 4, 64, 768, vocab), _t5(64, 1, 2, 32, 256, vocab)
+    c.data = mlc.ConfigDict(dict(source="task", task="stdlib_sum", tokenizer=tokenizer,
+                                 max_prompt_len=128, max_target_len=32, eos_id=1, pad_id=0,
+                                 seed=0))
+    steps = dict(target=1500, draft=800, distill=300)
+  else:
+    raise ValueError(f"unknown embedded pair '{name}'; known: tiny, tiny_t5")
+  c.steps = mlc.ConfigDict(steps)
+  c.distill = mlc.ConfigDict(dict(recipe="", loss="jsd", beta=0.5, lambda1=0.0, lambda2=0.5,
+                                  temperature=1.0))
+  c.train = mlc.ConfigDict(dict(
+      steps=0, batch_size=32, learning_rate=3e-3, warmup_steps=50, decay_start=0,
+      final_lr_ratio=0.1, optimizer="adamw", seed=0, log_every=50, checkpoint_every=200,
+      eval_every=0, async_checkpoint=False, progress=True))
+  c.pretrain = mlc.ConfigDict(dict(model="target", steps=0))
+  c.mesh = mlc.ConfigDict(dict(data=-1, model=1))
+  c.distributed = mlc.ConfigDict(dict(enabled=False))
+  return c
+
+
+def pair_dir(name: str) -> Path:
+  return cache_dir() / "zoo" / name
+
+
+def ensure(spec: str) -> Path:
+  """`NAME/ROLE` -> the exported checkpoint directory, building the pair on first use."""
+  name, _, role = spec.partition("/")
+  if role not in ROLES:
+    raise ValueError(f"builtin:{spec}: role must be one of {ROLES}")
+  out = pair_dir(name) / role
+  if not (out / "config.json").exists():
+    build(name)
+  return out
+
+
+def _stage_config(rec: mlc.ConfigDict, stage: str) -> mlc.ConfigDict:
+  c = mlc.ConfigDict(rec.to_dict())
+  steps = int(rec.steps[stage if stage != "draft_distilled" else "distill"])
+  c.train.steps = steps
+  c.train.decay_start = steps // 2
+  c.train.warmup_steps = max(steps // 30, 1)
+  if stage in ("target", "draft"):
+    c.pretrain.model = stage
+    c.pretrain.steps = steps
+  else:                                      # distill the pretrained draft towards the target
+    c.target.init_from = str(pair_dir_work(rec) / "target")
+    c.draft.init_from = str(pair_dir_work(rec) / "draft")
+    c.train.learning_rate = 1e-3
+  return c
+
+
+def pair_dir_work(rec) -> Path:
+  return pair_dir(rec.name) / "work"
+
+
+def build(name: str) -> None:
+  """Train tokenizer, target, draft and distilled draft; export each as an HF-layout directory."""
+  from rich.console import Console
+
+  from specjax.data.tokenizer import get_tokenizer
+  from specjax.distill import trainer
+  from specjax.loading import SPM_FILE
+  from specjax.models import hf_import
+
+  console = Console(stderr=True)
+  rec = recipe(name)
+  rec.name = name
+  console.print(f"[bold]specjax: building the embedded pair '{name}' into {pair_dir(name)} "
+                f"(first use only; about 10-15 minutes on 2 CPU cores)")
+  tokenizer = get_tokenizer(rec.data.tokenizer)
+  for stage in ROLES:
+    out = pair_dir(name) / stage
+    if (out / "config.json").exists():
+      continue
+    console.print(f"[bold]stage {stage}")
+    config = _stage_config(rec, stage)
+    workdir = pair_dir_work(rec) / stage
+    state = trainer.run_from_config(config, str(workdir), pretrain=stage != "draft_distilled")
+    role = "target" if stage == "target" else "draft"
+    model, _ = trainer.build_model(config[role], role, 0)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_import.save_model(model, state.params, str(tmp))
+    shutil.copy(tokenizer.path, tmp / SPM_FILE)
+    tmp.rename(out)

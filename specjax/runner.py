@@ -154,3 +154,27 @@ def eval_prompts(config, n: int) -> list[str]:
   if config.get("data"):
     return [p for p, _ in eval_examples(config, n)]
   return list(config.get("prompts", []))[:n]
+
+
+def build_single(config, section: str) -> Decoder:
+  """Autoregressive decoding with the model of `section` alone (e.g. draft-only quality)."""
+  d = config.decode
+  warp = Warp(temperature=float(d.temperature), top_k=int(d.top_k), top_p=float(d.top_p))
+  return Decoder(target=loading.load(config[section], section), draft=None, rule=None, warp=warp,
+                 gamma=int(d.gamma), max_new_tokens=int(d.max_new_tokens),
+                 max_len=int(d.get("max_len", 0) or 0))
+
+
+def generate_texts(dec: Decoder, prompts: list[str], key, batch_size: int = 16):
+  """Decode `prompts` in batches; returns (texts, per-row stats dicts)."""
+  texts, stats = [], []
+  for start in range(0, len(prompts), batch_size):
+    chunk = prompts[start:start + batch_size]
+    chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))          # one shape: pad the batch
+    prompt = encode_prompts(dec.target, chunk)
+    draft_prompt = encode_prompts(dec.draft, chunk) if dec.draft is not None else None
+    gen = dec.generate(prompt, jax.random.fold_in(key, start), draft_prompt)
+    n = min(batch_size, len(prompts) - start)
+    texts += [t for _, t in decode_rows(dec.target, gen.tokens, gen.lengths)][:n]
+    stats += stats_rows(gen.stats, batch_size)[:n]
+  return texts, stats

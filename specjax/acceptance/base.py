@@ -1,0 +1,125 @@
+"""The Rule interface every acceptance rule implements, and the shared rejection-sampling kernel.
+
+The speculative loop (specjax/decoding/speculative.py) calls, per block:
+
+  q_logp = rule.q_log_probs(draft_logits, warp)       # [B, V] per drafting step
+  rule.keep_drafting(q_logp, step, rule_state) -> bool[B]   # False stops the row's drafting
+  rule.propose(q_logp, keys) -> token[B]
+  p_logp = rule.p_log_probs(target_logits, warp)      # [B, K+1, V]
+  rule.verify(draft_tokens[B,K], draft_len[B], q_logp[B,K,V], p_logp[B,K+1,V], keys, rule_state)
+      -> (n_accepted[B] in [0, draft_len], next_token[B], rule_state)
+
+`keys` are per-row PRNG keys [B] (already specific to the row and the block). Rules are static
+arguments of jit: every field must be hashable; per-row data belongs in rule_state, a pytree whose
+leaves have a leading [B] axis (rows that are done keep their old rule_state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from specjax import sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """Base acceptance rule: sampled drafts from warped q, fixed-length drafting."""
+  needs_same_vocab: ClassVar[bool] = True   # draft and target must share token ids
+  rule_name: ClassVar[str] = ""             # set by registry.register
+
+  def init_state(self, batch: int) -> Any:
+    del batch
+    return ()
+
+  def q_log_probs(self, q_logits: jax.Array, warp: sampling.Warp) -> jax.Array:
+    """Draft logits [..., V_draft] -> f32 log-probs q over target ids [..., V], used everywhere."""
+    return warp.log_probs(q_logits)
+
+  def p_log_probs(self, p_logits: jax.Array, warp: sampling.Warp) -> jax.Array:
+    """Target logits [..., V] -> f32 log-probs p given to verify (and used for residuals/bonus)."""
+    return warp.log_probs(p_logits)
+
+  def to_draft_ids(self, tokens: jax.Array) -> jax.Array:
+    """Target token ids -> the draft's ids for feeding the draft (identity for a shared vocab)."""
+    return tokens
+
+  def propose(self, q_logp: jax.Array, keys: jax.Array) -> jax.Array:
+    """q_logp [B, V], keys [B] -> draft token [B]: a sample of warped q."""
+    return sampling.categorical(q_logp, keys)
+
+  def keep_drafting(self, q_logp: jax.Array, step: jax.Array, rule_state: Any) -> jax.Array:
+    """Called before proposing draft `step` from q_logp [B, V]; False ends the row's block."""
+    del step, rule_state
+    return jnp.ones(q_logp.shape[:1], bool)
+
+  def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
+    raise NotImplementedError(f"{type(self).__name__} must implement verify()")
+
+
+def prefix_accepted(accept: jax.Array, draft_len: jax.Array) -> jax.Array:
+  """Number of leading accepted drafts: accept [B, K] bool, draft_len [B] -> n [B] int32.
+
+  Drafts at or past draft_len were never offered, so they count as rejections. Example with K=4:
+  accept [1, 1, 0, 1], draft_len 4 -> n = 2; accept [1, 1, 1, 1], draft_len 3 -> n = 3.
+  """
+  offered = jnp.arange(accept.shape[1])[None, :] < draft_len[:, None]
+  return jnp.sum(jnp.cumprod(accept & offered, axis=1), axis=1).astype(jnp.int32)
+
+
+def take_position(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x [B, K, ...], idx [B] -> x[b, idx[b]] of shape [B, ...] (idx clipped to K-1)."""
+  idx = jnp.minimum(idx, x.shape[1] - 1)
+  return jax.vmap(lambda row, i: row[i])(x, idx)
+
+
+def take_tokens(logp: jax.Array, tokens: jax.Array) -> jax.Array:
+  """logp [B, K, V], tokens [B, K] -> logp[b, k, tokens[b, k]] [B, K]."""
+  return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def residual_log_probs(p_logp: jax.Array, q_logp: jax.Array) -> jax.Array:
+  """log norm(max(0, p - q)) over the last axis, in f32; p itself where the residual is empty.
+
+  The residual is empty (mass < 1e-12) only when p <= q everywhere, i.e. p == q, and then a
+  rejection has probability ~0: falling back to p keeps the law exact and avoids 0/0.
+  """
+  diff = jnp.maximum(jnp.exp(p_logp) - jnp.exp(q_logp), 0.0)            # [..., V]
+  mass = jnp.sum(diff, axis=-1, keepdims=True)
+  safe = jnp.where(diff > 0, diff, 1.0)
+  res = jnp.where(diff > 0, jnp.log(safe) - jnp.log(jnp.maximum(mass, 1e-30)), -jnp.inf)
+  return jnp.where(mass > 1e-12, res, p_logp)
+
+
+def verify_streams(keys: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
+  """Per-row keys [B] -> (uniforms [B, num] in [0, 1), keys [B] for the final sample)."""
+  uniforms = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 0), (num,)))(keys)
+  return uniforms, sampling.fold_rows(keys, 1)
+
+
+def rejection_verify(draft_tokens: jax.Array, draft_len: jax.Array, q_logp: jax.Array,
+                     p_logp: jax.Array, keys: jax.Array,
+                     log_f: Callable[[jax.Array], jax.Array],
+                     residual: bool = True) -> tuple[jax.Array, jax.Array]:
+  """Speculative rejection sampling with acceptance min(1, f(p)/q) (DistillSpec Alg. A.1).
+
+  draft i is accepted iff u_i < f(p_i(x_i)) / q_i(x_i), tested as log u_i < log f - log q.
+  After n acceptances: if n < draft_len the next token is drawn from norm(max(0, p_n - q_n))
+  (or from p_n when residual=False), else it is the bonus token drawn from p_n.
+  Returns (n [B], next_token [B]).
+  """
+  num = draft_tokens.shape[1]
+  uniforms, sample_keys = verify_streams(keys, num)
+  log_q = take_tokens(q_logp, draft_tokens)                              # [B, K]
+  log_fp = log_f(take_tokens(p_logp[:, :num], draft_tokens))             # [B, K]
+  accept = jnp.log(uniforms) < log_fp - log_q
+  n = prefix_accepted(accept, draft_len)
+  p_n = take_position(p_logp, n)                                         # [B, V]
+  q_n = take_position(q_logp, n)                                         # [B, V] (unused if bonus)
+  rejected = (n < draft_len)[:, None]
+  fix = residual_log_probs(p_n, q_n) if residual else p_n
+  next_token = sampling.categorical(jnp.where(rejected, fix, p_n), sample_keys)
+  return n, next_token

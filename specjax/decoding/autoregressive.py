@@ -1,0 +1,110 @@
+"""Target-only autoregressive decoding: the whole generation is one jitted lax.while_loop.
+
+Row b draws output token t with key fold_in(row_key_b, t), so a row's output does not depend on
+the batch it sits in. The first token comes from prefill's logits; each later step feeds the last
+token with one `extend` call. Rows stop independently at EOS or max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax import sampling
+from specjax.decoding.state import Generation, SpecState, SpecStats, finish
+from specjax.models import Prompt
+from specjax.models import kv_cache
+
+
+def eos_value(eos_id: int | None) -> int:
+  """None disables EOS (-1 never matches a token id)."""
+  return -1 if eos_id is None else int(eos_id)
+
+
+def check_lengths(max_new_tokens: int, prompt: Prompt) -> None:
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if prompt.tokens.ndim != 2 or prompt.lengths.shape != prompt.tokens.shape[:1]:
+    raise ValueError(f"prompt.tokens must be [B, P] and prompt.lengths [B]; got "
+                     f"{prompt.tokens.shape} and {prompt.lengths.shape}")
+
+
+def prefix_len(model, prompt: Prompt) -> int:
+  """Cache entries the prompt stream may occupy: the padded prompt, or T5's decoder start token."""
+  return 1 if model.is_encoder_decoder else int(prompt.tokens.shape[1])
+
+
+def enc_len(model, prompt: Prompt) -> int:
+  return int(prompt.tokens.shape[1]) if model.is_encoder_decoder else 0
+
+
+def decoder_start_id(model) -> int:
+  for owner in (model, getattr(model, "config", None)):
+    for name in ("decoder_start_id", "decoder_start_token_id"):
+      value = getattr(owner, name, None)
+      if value is not None:
+        return int(value)
+  return 0
+
+
+def stream_anchor(model, prompt: Prompt) -> jax.Array:
+  """[B] the last token of each row's prompt stream (decoder-only: last prompt token; T5: start)."""
+  if model.is_encoder_decoder:
+    return jnp.full(prompt.lengths.shape, decoder_start_id(model), jnp.int32)
+  last = (prompt.lengths - 1)[:, None]
+  return jnp.take_along_axis(prompt.tokens, last, axis=1)[:, 0].astype(jnp.int32)
+
+
+def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: int,
+             warp: sampling.Warp, eos_id: int | None, max_len: int | None = None) -> Generation:
+  """Sample up to max_new_tokens per row from the (warped) target.
+
+  key: one PRNG key (row b uses fold_in(key, b)) or per-row keys [B]. max_len: cache size
+  (default: just enough); checked on the host before anything is compiled.
+  """
+  check_lengths(max_new_tokens, prompt)
+  need = prefix_len(model, prompt) + max_new_tokens      # done rows still extend by one
+  max_len = need if max_len is None else int(max_len)
+  kv_cache.check_capacity(need, max_len, "prompt + max_new_tokens")
+  keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
+  state = _run(model, warp, eos_value(eos_id), max_new_tokens, max_len, params, prompt, keys)
+  return finish(state, max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _run(model, warp, eos, max_new, max_len, params, prompt, keys) -> SpecState:
+  state = _init(model, warp, eos, max_new, max_len, params, prompt, keys)
+  step = functools.partial(_step, model, warp, eos, max_new, params)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+
+
+def _init(model, warp, eos, max_new, max_len, params, prompt, keys) -> SpecState:
+  batch = prompt.tokens.shape[0]
+  cache = model.init_cache(batch, max_len, enc_len(model, prompt))
+  logits, _, cache = model.prefill(params, prompt, cache)                # [B, V]
+  first = warp.sample(logits, sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32)))
+  ones = jnp.ones((batch,), jnp.int32)
+  return SpecState(
+      tokens=jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(first),
+      lengths=ones, done=(first == eos) | (max_new <= 1),
+      last_two=jnp.stack([stream_anchor(model, prompt), first], axis=1),
+      target_cache=cache, draft_cache=None, rule_state=(), key=keys,
+      stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones))
+
+
+def _step(model, warp, eos, max_new, params, s: SpecState) -> SpecState:
+  live = ~s.done                                                          # [B]
+  logits, _, cache = model.extend(params, s.last_two[:, 1:], s.target_cache)   # [B, 1, V]
+  token = warp.sample(logits[:, 0], sampling.position_keys(s.key, s.lengths))
+  cache = kv_cache.rollback(cache, jnp.where(live, cache.lengths, s.target_cache.lengths))
+  rows = jnp.arange(token.shape[0])
+  write_at = jnp.where(live, s.lengths, max_new)                          # max_new: dropped
+  lengths = s.lengths + live
+  done = s.done | (live & ((token == eos) | (lengths >= max_new)))
+  shifted = jnp.stack([s.last_two[:, 1], token], axis=1)
+  return s.replace(
+      tokens=s.tokens.at[rows, write_at].set(token, mode="drop"), lengths=lengths, done=done,
+      last_two=jnp.where(live[:, None], shifted, s.last_two), target_cache=cache,
+      stats=s.stats.add(blocks=live, emitted=live, target_passes=live))

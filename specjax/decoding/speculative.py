@@ -1,0 +1,267 @@
+"""The speculative decoding loop: one SpecState through one jitted lax.while_loop (DESIGN.md §4).
+
+Each block, for every row that is not done:
+  1. draft: rewind the draft cache to len-2 and feed the last two committed tokens, then propose up
+     to gamma tokens (a lax.while_loop; the rule's keep_drafting may stop a row early -> draft_len);
+  2. verify: one target.extend over [pending token, d_0 .. d_{gamma-1}] -> p [B, gamma+1, V];
+     rule.verify -> n accepted and the next token;
+  3. commit d_0 .. d_{n-1}, next at the row's own offset (cut at EOS and max_new_tokens) and roll
+     the target cache back so that it holds the committed stream minus its last (pending) token.
+
+Keys: row b's block starting at generated length g uses fold_in(fold_in(row_key_b, g), 0) for
+drafting (then fold_in(., step)) and fold_in(., 1) for verification. The first token is sampled
+from the target's prefill logits with fold_in(row_key_b, 0), exactly as autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax import sampling
+from specjax.acceptance import base, registry
+from specjax.decoding import autoregressive as ar
+from specjax.decoding.state import Generation, SpecState, SpecStats, finish
+from specjax.models import Prompt
+from specjax.models import kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything static about one generation (the jit cache key)."""
+  target: Any
+  draft: Any
+  rule: base.Rule
+  gamma: int
+  max_new: int
+  warp: sampling.Warp
+  eos: int          # -1: no EOS
+  max_len: int      # cache capacity of both models
+
+
+@flax.struct.dataclass(kw_only=True)
+class Anchors:
+  """Per-row constants fixed by the prefill."""
+  target_base: jax.Array    # [B] target cache length after prefill (stream length - 1)
+  draft_base: jax.Array     # [B] draft cache length after its prefill
+  draft_anchor: jax.Array   # [B] last token of the draft's prompt stream, in draft ids
+
+
+def generate(target, target_params, draft, draft_params, prompt: Prompt, key: jax.Array, *,
+             rule: base.Rule | str, gamma: int, max_new_tokens: int, warp: sampling.Warp,
+             eos_id: int | None, draft_prompt: Prompt | None = None, max_len: int | None = None,
+             debug: bool = False) -> Generation:
+  """Speculative decoding of up to max_new_tokens per row.
+
+  rule: a Rule or a registered name. key: one PRNG key (row b uses fold_in(key, b)) or per-row
+  keys [B]. draft_prompt: the prompt in the draft's tokenization (default: prompt). max_len: the
+  cache size of both models (default: just enough). debug=True runs the same block function from
+  a Python loop, one jitted call per block (wrap the call in `jax.disable_jit()` to run eagerly).
+  """
+  setup = _validate(target, draft, prompt, draft_prompt, rule=rule, gamma=gamma,
+                    max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
+  draft_prompt = prompt if draft_prompt is None else draft_prompt
+  keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
+  if debug:
+    state = _run_python(setup, target_params, draft_params, prompt, draft_prompt, keys)
+  else:
+    state = run(setup, target_params, draft_params, prompt, draft_prompt, keys)
+  return finish(state, max_new_tokens)
+
+
+def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_tokens, warp, eos_id,
+              max_len) -> Setup:
+  """Host-side checks with actionable messages, before anything is traced."""
+  rule = registry.get(rule) if isinstance(rule, str) else rule
+  if not isinstance(rule, base.Rule):
+    raise TypeError(f"rule must be an acceptance Rule or a registered name "
+                    f"({', '.join(registry.names())}), got {type(rule).__name__}")
+  if isinstance(gamma, bool) or not isinstance(gamma, numbers.Integral) or gamma < 1:
+    raise ValueError(f"gamma (draft tokens per block) must be an integer >= 1, got {gamma!r}")
+  gamma = int(gamma)
+  ar.check_lengths(max_new_tokens, prompt)
+  if rule.needs_same_vocab and draft.vocab_size != target.vocab_size:
+    raise ValueError(
+        f"draft vocab size {draft.vocab_size} differs from target vocab size {target.vocab_size} "
+        f"and rule {rule.rule_name or type(rule).__name__!r} needs a shared vocabulary: use a "
+        f"draft with the target's tokenizer or a cross-vocabulary rule")
+  dprompt = prompt if draft_prompt is None else draft_prompt
+  if dprompt.tokens.shape[0] != prompt.tokens.shape[0]:
+    raise ValueError(f"draft_prompt has {dprompt.tokens.shape[0]} rows, prompt has "
+                     f"{prompt.tokens.shape[0]}: they must describe the same batch")
+  # A block writes gamma+1 target entries after base+g-1 committed ones, and rows that are done
+  # (g == max_new) are still computed: base + max_new + gamma covers every write of both models.
+  need = max(ar.prefix_len(target, prompt), ar.prefix_len(draft, dprompt)) + max_new_tokens + gamma
+  max_len = need if max_len is None else int(max_len)
+  kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
+  return Setup(target=target, draft=draft, rule=rule, gamma=gamma, max_new=max_new_tokens,
+               warp=warp, eos=ar.eos_value(eos_id), max_len=max_len)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def run(setup: Setup, target_params, draft_params, prompt: Prompt, draft_prompt: Prompt,
+        keys: jax.Array) -> SpecState:
+  """The whole generation as one compiled call; returns the final SpecState (caches included)."""
+  state, anchors = init(setup, target_params, draft_params, prompt, draft_prompt, keys)
+  step = functools.partial(block, setup, target_params, draft_params, anchors)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+
+
+def _run_python(setup, target_params, draft_params, prompt, draft_prompt, keys) -> SpecState:
+  """The same init/block functions, one jitted call per block with the state donated, driven by a
+  host loop: the state can be inspected between blocks. Under `with jax.disable_jit():` everything
+  runs eagerly (breakpoints inside rules and models work)."""
+  state, anchors = _init_jit(setup, target_params, draft_params, prompt, draft_prompt, keys)
+  while not bool(jnp.all(state.done)):
+    state = _block_jit(setup, target_params, draft_params, anchors, state)
+  return state
+
+
+def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
+  """Prefill both models; the first token comes from the target's prefill logits."""
+  target, draft = setup.target, setup.draft
+  batch = prompt.tokens.shape[0]
+  tcache = target.init_cache(batch, setup.max_len, ar.enc_len(target, prompt))
+  logits, _, tcache = target.prefill(target_params, prompt, tcache)      # [B, V]
+  first = setup.warp.sample(logits, sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32)))
+  dcache = draft.init_cache(batch, setup.max_len, ar.enc_len(draft, draft_prompt))
+  _, _, dcache = draft.prefill(draft_params, draft_prompt, dcache)
+  anchors = Anchors(target_base=tcache.lengths, draft_base=dcache.lengths,
+                    draft_anchor=ar.stream_anchor(draft, draft_prompt))
+  ones = jnp.ones((batch,), jnp.int32)
+  state = SpecState(
+      tokens=jnp.zeros((batch, setup.max_new), jnp.int32).at[:, 0].set(first),
+      lengths=ones, done=(first == setup.eos) | (setup.max_new <= 1),
+      last_two=jnp.stack([ar.stream_anchor(target, prompt), first], axis=1),
+      target_cache=tcache, draft_cache=dcache, rule_state=setup.rule.init_state(batch), key=keys,
+      stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones,
+                                       draft_passes=ones))
+  return state, anchors
+
+
+def block(setup: Setup, target_params, draft_params, anchors: Anchors, s: SpecState) -> SpecState:
+  """One draft-verify-commit block for every row that is not done."""
+  live = ~s.done                                                          # [B]
+  block_keys = sampling.position_keys(s.key, s.lengths)
+  d = _draft(setup, draft_params, anchors, s, live, sampling.fold_rows(block_keys, 0))
+  feed = jnp.concatenate([s.last_two[:, 1:], d.tokens], axis=1)          # [B, K+1]
+  p_logits, _, tcache = setup.target.extend(target_params, feed, s.target_cache)
+  p_logp = setup.rule.p_log_probs(p_logits, setup.warp)                  # [B, K+1, V]
+  n, next_token, rule_state = setup.rule.verify(
+      d.tokens, d.draft_len, d.q_logp, p_logp, sampling.fold_rows(block_keys, 1), s.rule_state)
+  n = jnp.minimum(n.astype(jnp.int32), d.draft_len)
+  s = s.replace(target_cache=tcache, draft_cache=d.cache,
+                rule_state=_select_rows(live, rule_state, s.rule_state))
+  return _commit(setup, anchors, s, live, d, n, next_token.astype(jnp.int32))
+
+
+@flax.struct.dataclass(kw_only=True)
+class _Drafts:
+  step: jax.Array        # [] next draft index
+  q: jax.Array           # [B, V] q for draft `step`
+  tokens: jax.Array      # [B, K] proposals (valid below draft_len)
+  q_logp: jax.Array      # [B, K, V]
+  draft_len: jax.Array   # [B]
+  active: jax.Array      # [B] still drafting
+  passes: jax.Array      # [B] draft forward passes this block
+  cache: kv_cache.KVCache
+
+
+def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> _Drafts:
+  """Rewind the draft to len-2, feed the last two committed tokens, then draft up to gamma tokens.
+
+  The draft cache covers at least the committed stream minus its last two tokens, so rewinding to
+  len-2 and (re)writing those two tokens covers both the case where the draft already saw the
+  last accepted draft token and the case where it did not (all gamma drafts accepted). At g == 1
+  the first of the two is the last token of the draft's own prompt stream.
+  """
+  rule, model, K = setup.rule, setup.draft, setup.gamma
+  g = s.lengths
+  older = jnp.where(g == 1, anchors.draft_anchor, rule.to_draft_ids(s.last_two[:, 0]))
+  feed = jnp.stack([older, rule.to_draft_ids(s.last_two[:, 1])], axis=1)     # [B, 2]
+  cache = kv_cache.rollback(s.draft_cache, anchors.draft_base + g - 2)
+  logits, _, cache = model.extend(params, feed, cache)                    # [B, 2, V_d]
+  q = rule.q_log_probs(logits[:, -1], setup.warp)                         # [B, V]
+  batch, vocab = q.shape
+  d = _Drafts(step=jnp.int32(0), q=q, tokens=jnp.zeros((batch, K), jnp.int32),
+              q_logp=jnp.zeros((batch, K, vocab), jnp.float32),
+              draft_len=jnp.zeros((batch,), jnp.int32), active=live,
+              passes=live.astype(jnp.int32), cache=cache)
+  decide = functools.partial(_decide, rule, keys, s.rule_state)
+
+  def body(d: _Drafts) -> _Drafts:
+    prev = rule.to_draft_ids(jnp.take(d.tokens, d.step - 1, axis=1))[:, None]   # [B, 1]
+    logits, _, cache = model.extend(params, prev, d.cache)
+    d = d.replace(q=rule.q_log_probs(logits[:, 0], setup.warp), cache=cache,
+                  passes=d.passes + d.active)
+    return decide(d)
+
+  return jax.lax.while_loop(lambda d: (d.step < K) & jnp.any(d.active), body, decide(d))
+
+
+def _decide(rule, keys, rule_state, d: _Drafts) -> _Drafts:
+  """Ask the rule whether each row keeps drafting; propose draft `step` from q."""
+  keep = d.active & rule.keep_drafting(d.q, d.step, rule_state)
+  step_keys = jax.vmap(lambda k: jax.random.fold_in(k, d.step))(keys)
+  token = rule.propose(d.q, step_keys).astype(jnp.int32)
+  return d.replace(step=d.step + 1, tokens=d.tokens.at[:, d.step].set(token),
+                   q_logp=d.q_logp.at[:, d.step].set(d.q.astype(jnp.float32)),
+                   draft_len=d.draft_len + keep, active=keep)
+
+
+def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, next_token):
+  """Commit d_0 .. d_{n-1}, next_token per row, cut at EOS / max_new, and roll the target back.
+
+  Worked example, gamma K=3, max_new 8, eos 2, target_base 4 (prompt of 4 tokens):
+    row 0: lengths 5, drafts [7 8 9], n 2, next 4 -> out [7 8 4 0], count 3: tokens[0, 5:8] =
+      7 8 4, lengths 8 (== max_new: done), last_two [8 4]. The target cache held base+5-1 = 8
+      entries; extend wrote pending,7,8,9 (12); rollback to base+8-1 = 11 keeps pending,7,8 and
+      drops 9. The new pending token 4 is fed by the next block.
+    row 1: lengths 3, drafts [5 2 6], n 3, next 1 -> out [5 2 6 1]; EOS at index 1 -> count 2,
+      tokens[1, 3:5] = 5 2, lengths 5, done.
+    row 2: lengths 6, drafts [5 5 5], n 3, next 1 -> count min(4, 8-6) = 2, lengths 8, done.
+  Writes past a row's count go to index max_new and are dropped.
+  """
+  K, max_new = setup.gamma, setup.max_new
+  j = jnp.arange(K + 1)[None, :]                                          # [1, K+1]
+  drafts = jnp.pad(d.tokens, ((0, 0), (0, 1)))                            # [B, K+1]
+  out = jnp.where(j < n[:, None], drafts, jnp.where(j == n[:, None], next_token[:, None], 0))
+  is_eos = (out == setup.eos) & (j <= n[:, None])
+  first_eos = jnp.argmax(is_eos, axis=1)
+  has_eos = jnp.any(is_eos, axis=1)
+  count = jnp.where(has_eos, first_eos + 1, n + 1)
+  count = jnp.where(live, jnp.minimum(count, max_new - s.lengths), 0).astype(jnp.int32)
+  rows = jnp.arange(out.shape[0])[:, None]
+  write_at = jnp.where(j < count[:, None], s.lengths[:, None] + j, max_new)
+  lengths = s.lengths + count
+  done = s.done | (live & ((has_eos & (first_eos < count)) | (lengths >= max_new)))
+  ext = jnp.concatenate([s.last_two, out], axis=1)                        # [B, K+3]
+  last_two = jnp.stack([jnp.take_along_axis(ext, count[:, None], 1)[:, 0],
+                        jnp.take_along_axis(ext, count[:, None] + 1, 1)[:, 0]], axis=1)
+  as_int = lambda x: jnp.where(live, x, 0)
+  stats = s.stats.add(blocks=live, drafted=as_int(d.draft_len), accepted=as_int(n),
+                      verified=as_int(jnp.minimum(n + 1, d.draft_len)), emitted=count,
+                      target_passes=live, draft_passes=as_int(d.passes))
+  return s.replace(
+      tokens=s.tokens.at[rows, write_at].set(out, mode="drop"), lengths=lengths, done=done,
+      last_two=last_two, stats=stats,
+      target_cache=kv_cache.rollback(s.target_cache, anchors.target_base + lengths - 1))
+
+
+def _select_rows(live: jax.Array, new, old):
+  """Keep the old rule_state of rows that are done (leaves with a leading [B] axis)."""
+  def pick(a, b):
+    if a.ndim == 0 or a.shape[0] != live.shape[0]:
+      return a
+    return jnp.where(live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+  return jax.tree_util.tree_map(pick, new, old)
+
+
+_init_jit = jax.jit(init, static_argnums=0)
+_block_jit = jax.jit(block, static_argnums=0, donate_argnums=4)

@@ -1,0 +1,107 @@
+"""The state carried through the decoding loops, their per-row statistics, and their result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.kv_cache import KVCache
+
+STAT_FIELDS = ("blocks", "drafted", "accepted", "verified", "emitted", "target_passes",
+               "draft_passes")
+
+
+@flax.struct.dataclass(kw_only=True)
+class SpecStats:
+  """Per-row counters, int32 [B] each. A block is one target pass and the tokens it commits.
+
+  The first token comes from the target's prefill: it counts as a block that drafted nothing and
+  emitted one token (so blocks == target_passes and emitted == the row's generated length). The
+  draft's prefill counts as one draft pass. `verified` counts the drafts the rule looked at:
+  the accepted ones plus the first rejected one (drafts after a rejection are never verified).
+  Autoregressive decoding reports blocks == target_passes == emitted and zero drafts.
+  """
+  blocks: jax.Array          # [B] target passes that committed tokens (prefill included)
+  drafted: jax.Array         # [B] draft tokens proposed and offered for verification
+  accepted: jax.Array        # [B] draft tokens accepted
+  verified: jax.Array        # [B] draft tokens verified (accepted + first rejection)
+  emitted: jax.Array         # [B] tokens committed (== Generation.lengths)
+  target_passes: jax.Array   # [B] target forward passes (prefill + one extend per block)
+  draft_passes: jax.Array    # [B] draft forward passes (prefill + drafting steps)
+
+  @classmethod
+  def zeros(cls, batch: int) -> "SpecStats":
+    return cls(**{f: jnp.zeros((batch,), jnp.int32) for f in STAT_FIELDS})
+
+  def add(self, **increments) -> "SpecStats":
+    return self.replace(**{f: getattr(self, f) + jnp.asarray(v, jnp.int32)
+                           for f, v in increments.items()})
+
+  def alpha_per_row(self) -> jax.Array:
+    """[B] acceptance rate accepted / verified (nan where nothing was verified)."""
+    return _ratio(self.accepted, self.verified)
+
+  def tau_per_row(self) -> jax.Array:
+    """[B] block efficiency emitted / blocks (nan for rows with no block)."""
+    return _ratio(self.emitted, self.blocks)
+
+  def totals(self) -> dict[str, int]:
+    return {f: int(np.sum(np.asarray(getattr(self, f)))) for f in STAT_FIELDS}
+
+  def alpha(self) -> float:
+    """Aggregated acceptance rate: sum accepted / sum verified over rows (nan if none verified)."""
+    t = self.totals()
+    return t["accepted"] / t["verified"] if t["verified"] else float("nan")
+
+  def tau(self) -> float:
+    """Aggregated block efficiency: sum emitted / sum blocks over rows."""
+    t = self.totals()
+    return t["emitted"] / t["blocks"] if t["blocks"] else float("nan")
+
+  def to_dict(self) -> dict[str, float]:
+    """Host-side summary: summed counters plus alpha and tau (JSON-ready)."""
+    return {**self.totals(), "alpha": self.alpha(), "tau": self.tau()}
+
+
+def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
+  num, den = jnp.asarray(num, jnp.float32), jnp.asarray(den, jnp.float32)
+  return jnp.where(den > 0, num / jnp.maximum(den, 1.0), jnp.nan)
+
+
+@flax.struct.dataclass(kw_only=True)
+class SpecState:
+  """Everything one decoding loop carries from block to block (DESIGN.md §4).
+
+  Loop invariant (speculative): the committed stream of row b is its prompt stream (decoder-only:
+  the prompt; T5: the decoder start token) followed by tokens[b, :lengths[b]]. The target cache
+  holds that stream minus its last ("pending") token; last_two[b] are its last two tokens.
+  The autoregressive loop uses the same state with draft_cache=None.
+  """
+  tokens: jax.Array          # [B, N] int32 generated tokens (garbage-free: 0 past lengths)
+  lengths: jax.Array         # [B] int32 tokens generated so far
+  done: jax.Array            # [B] bool, EOS emitted or max_new_tokens reached
+  last_two: jax.Array        # [B, 2] int32 last two committed stream tokens (prompt included)
+  target_cache: KVCache      # target KV cache: stream minus the pending token
+  draft_cache: KVCache | None  # draft KV cache: covers at least the stream minus its last two
+  rule_state: Any            # the rule's pytree; leaves with a leading [B] axis
+  key: jax.Array             # [B] per-row keys (fold_in(key, row))
+  stats: SpecStats
+
+
+@flax.struct.dataclass(kw_only=True)
+class Generation:
+  """Result of a decoding call."""
+  tokens: jax.Array          # [B, N] int32 generated tokens, 0 after each row's end
+  lengths: jax.Array         # [B] int32 tokens generated, EOS included
+  stats: SpecStats
+
+
+def finish(state: SpecState, max_new_tokens: int) -> Generation:
+  """Cut the token buffer to max_new_tokens and zero everything past each row's length."""
+  tokens = state.tokens[:, :max_new_tokens]
+  valid = jnp.arange(tokens.shape[1])[None, :] < state.lengths[:, None]
+  return Generation(tokens=jnp.where(valid, tokens, 0), lengths=state.lengths, stats=state.stats)

@@ -1,0 +1,113 @@
+"""Temperature / top-k / top-p warping, sampling from log-probs, and the per-row key discipline.
+
+Every random draw in specjax is tied to (row, position), never to the batch: row b uses
+`fold_in(key, b)` and the draw for output position t of that row uses `fold_in(row_key, t)`. That
+is what makes row b of a batch identical to a single-row run with the same row key, whatever the
+other rows do (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Warp:
+  """How logits become the sampling distribution; applied identically to target and draft.
+
+  temperature 0 means greedy: a one-hot argmax distribution (log-prob 0 at the argmax, -inf
+  elsewhere), so that ratio tests and residuals need no special case. top_k 0 and top_p 1 are off.
+  """
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+  def log_probs(self, logits: jax.Array) -> jax.Array:
+    """logits [..., V] -> warped float32 log-probs [..., V] (-inf outside the kept set, no NaN)."""
+    logits = logits.astype(jnp.float32)
+    if self.greedy:
+      return _one_hot_log_probs(logits)
+    z = logits / self.temperature
+    vocab = z.shape[-1]
+    if 0 < self.top_k < vocab:
+      kth = jax.lax.top_k(z, self.top_k)[0][..., -1:]                 # [..., 1]
+      z = jnp.where(z < kth, -jnp.inf, z)
+    if self.top_p < 1:
+      z = _top_p_mask(z, self.top_p)
+    return jax.nn.log_softmax(z, axis=-1)
+
+  def sample(self, logits: jax.Array, keys: jax.Array) -> jax.Array:
+    """logits [B, V], keys [B] (one per row) -> int32 [B]."""
+    if self.greedy:
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return categorical(self.log_probs(logits), keys)
+
+
+def _one_hot_log_probs(logits: jax.Array) -> jax.Array:
+  best = jnp.argmax(logits, axis=-1)[..., None]                          # [..., 1]
+  ids = jnp.arange(logits.shape[-1])
+  return jnp.where(ids == best, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+def _top_p_mask(z: jax.Array, top_p: float) -> jax.Array:
+  """Keep the smallest set of most likely tokens whose mass reaches top_p (edge ties kept)."""
+  logp = jax.nn.log_softmax(z, axis=-1)
+  desc = -jnp.sort(-logp, axis=-1)                                       # [..., V] descending
+  before = jnp.cumsum(jnp.exp(desc), axis=-1) - jnp.exp(desc)           # mass strictly above
+  kept = jnp.sum(before < top_p, axis=-1, keepdims=True)                # >= 1
+  cutoff = jnp.take_along_axis(desc, kept - 1, axis=-1)                 # [..., 1]
+  return jnp.where(logp < cutoff, -jnp.inf, z)
+
+
+def categorical(log_probs: jax.Array, keys: jax.Array) -> jax.Array:
+  """Sample one token per row: log_probs [B, V] (may hold -inf), keys [B] -> int32 [B]."""
+  draw = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))
+  return draw(keys, log_probs).astype(jnp.int32)
+
+
+def is_key_batch(key: jax.Array) -> bool:
+  """True for per-row keys ([B] typed keys or [B, 2] raw uint32), False for one key."""
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key.ndim == 1
+  return key.ndim == 2
+
+
+def row_keys(key: jax.Array, batch: int) -> jax.Array:
+  """Row b's key is fold_in(key, b): independent of the batch size and of the other rows."""
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))
+
+
+def as_row_keys(key: jax.Array, batch: int) -> jax.Array:
+  """Accept one key (expanded with row_keys) or per-row keys [B] (used as they are)."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if not is_key_batch(key):
+    return row_keys(key, batch)
+  if key.shape[0] != batch:
+    raise ValueError(f"got {key.shape[0]} per-row keys for a batch of {batch} rows: pass one key "
+                     f"or exactly one key per row")
+  return key
+
+
+def position_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
+  """keys [B], positions [B] int -> fold_in(keys[b], positions[b]) [B]."""
+  return jax.vmap(jax.random.fold_in)(keys, positions.astype(jnp.uint32))
+
+
+def fold_rows(keys: jax.Array, data: int) -> jax.Array:
+  """fold_in the same constant into every row key: derive a sub-stream per purpose."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, data))(keys)

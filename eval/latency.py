@@ -88,6 +88,7 @@ def table(records: list[dict]) -> str:
 
 def main(argv=None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  runner.enable_compilation_cache()
   config = load_config(args.config, overrides)
   dec = runner.build(config, use_draft=True)
   prompts = runner.eval_prompts(config, args.num_prompts)

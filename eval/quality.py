@@ -42,6 +42,7 @@ def decoders(config) -> dict:
 
 def main(argv=None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  runner.enable_compilation_cache()
   config = load_config(args.config, overrides)
   source = runner.eval_source(config)
   examples = source.eval_examples("validation", args.num_examples)

@@ -46,6 +46,7 @@ def read_prompts(args, config) -> list[str]:
 def main(argv=None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
   try:
+    runner.enable_compilation_cache()
     config = load_config(args.config, overrides)
     prompts = read_prompts(args, config)
     if not prompts:

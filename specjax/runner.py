@@ -178,3 +178,10 @@ def generate_texts(dec: Decoder, prompts: list[str], key, batch_size: int = 16):
     texts += [t for _, t in decode_rows(dec.target, gen.tokens, gen.lengths)][:n]
     stats += stats_rows(gen.stats, batch_size)[:n]
   return texts, stats
+
+
+def enable_compilation_cache() -> None:
+  """Persist compiled programs under the specjax cache so that a second run starts fast."""
+  from specjax.data.cache import cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-compile"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

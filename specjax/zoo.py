@@ -13,6 +13,7 @@ and exports its model when done. CACHE is $SPECJAX_CACHE or ~/.cache/specjax.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -44,17 +45,19 @@ def recipe(name: str) -> mlc.ConfigDict:
   if name == "tiny":
     c.target, c.draft = _decoder(256, 4, 4, 1024, vocab), _decoder(64, 1, 2, 256, vocab)
     c.data = mlc.ConfigDict(dict(source="task", task="stdlib_lm", tokenizer=tokenizer,
-                                 lm_prompt_len=32, max_target_len=64, eos_id=1, pad_id=0, seed=0))
+                                 vocab_size=vocab, prompt_len=32, target_len=64, eos_id=1,
+                                 pad_id=0, seed=0))
     steps = dict(target=1500, draft=800, distill=300)
   elif name == "tiny_t5":
     c.target, c.draft = _t5(256, 3, 4, 64, 768, vocab), _t5(64, 1, 2, 32, 256, vocab)
     c.data = mlc.ConfigDict(dict(source="task", task="stdlib_sum", tokenizer=tokenizer,
-                                 max_prompt_len=128, max_target_len=32, eos_id=1, pad_id=0,
-                                 seed=0))
+                                 vocab_size=vocab, prompt_len=128, target_len=32, eos_id=1,
+                                 pad_id=0, seed=0))
     steps = dict(target=1500, draft=800, distill=300)
   else:
     raise ValueError(f"unknown embedded pair '{name}'; known: tiny, tiny_t5")
-  c.steps = mlc.ConfigDict(steps)
+  scale = float(os.environ.get("SPECJAX_ZOO_STEP_SCALE", "1"))   # < 1: a quick smoke build
+  c.steps = mlc.ConfigDict({k: max(int(v * scale), 2) for k, v in steps.items()})
   c.distill = mlc.ConfigDict(dict(recipe="", loss="jsd", beta=0.5, lambda1=0.0, lambda2=0.5,
                                   temperature=1.0))
   c.train = mlc.ConfigDict(dict(

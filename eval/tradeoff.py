@@ -1,0 +1,241 @@
+"""Quality against speed for the lossy rules: FSD thresholds, lenient eps, AdaSD against exact SD.
+
+    python -m eval.tradeoff --config tiny.py --rule fuzzy --values 0,0.1,0.2,0.4,0.8,inf
+    python -m eval.tradeoff --config tiny.py --rule fuzzy --values 0.1,0.3 --set divergence=js
+    python -m eval.tradeoff --config tiny.py --rule lenient --values 0.05,0.1,0.3,1 --set kind=exp
+    python -m eval.tradeoff --config tiny.py --rule adaptive --output adasd
+
+Per setting: the task metric on --num_examples validation examples (decoded in batches of
+--batch_size), then batch-1 speed on the first --timing_prompts of them (median of --repeats runs,
+after compilation): tokens/s and ms/token; alpha = accepted / verified, tau = emitted / blocks and
+the draft share = accepted / emitted (FSD's %MD). Reference points: target only and draft only;
+for --rule fuzzy also the random-acceptance curve (fuzzy_random, --random_values). --rule adaptive
+compares AdaSD, its Gen-Only and Verify-Only ablations and exact SD (gamma from the config).
+Writes OUTPUT.csv, OUTPUT.json and OUTPUT.png (quality against tokens/s; needs matplotlib, the
+`eval` extra: pip install 'specjax[eval]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import dataclasses
+import json
+import sys
+from typing import Any
+
+import jax
+
+from eval.latency import time_decoding
+from specjax import runner
+from specjax.acceptance import registry
+from specjax.data import metrics
+
+SWEPT = {"fuzzy": "threshold", "lenient": "eps"}     # the hyperparameter --values sets
+PRIMARY = {"rouge": "rouge2", "bleu": "bleu", "exact_match": "exact_match", "gsm8k": "accuracy"}
+DEFAULT_RANDOM = "0,0.2,0.4,0.6,0.8,0.9,1"
+ADAPTIVE_VARIANTS = {"adasd": {}, "gen_only": {"js_accept": False},
+                     "verify_only": {"entropy_stop": False, "max_window": 5}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One point: a curve name, the swept value, and how to decode (rule None: one model alone)."""
+  curve: str
+  value: float | str
+  rule: Any = None
+  gamma: int = 0
+  section: str = ""          # "target" / "draft" for the single-model points
+
+
+def parse_values(text: str) -> list[float]:
+  """'0,0.1,inf' -> [0.0, 0.1, inf]."""
+  try:
+    return [float(v) for v in text.split(",") if v.strip()]
+  except ValueError as err:
+    raise ValueError(f"--values must be comma-separated numbers (inf allowed), got {text!r}") from err
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+  """['divergence=js', 'k=20'] -> {'divergence': 'js', 'k': 20} (Python literals, else strings)."""
+  out = {}
+  for item in items:
+    name, sep, raw = item.partition("=")
+    if not sep or not name:
+      raise ValueError(f"--set takes NAME=VALUE (a rule hyperparameter), got {item!r}")
+    try:
+      out[name] = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      out[name] = raw
+  return out
+
+
+def settings(rule: str, values: list[float], gamma: int, extra: dict,
+             random_values: list[float]) -> list[Setting]:
+  """Every point of the sweep, reference points first."""
+  points = [Setting("target", "", section="target"), Setting("draft", "", section="draft")]
+  if rule == "adaptive":
+    points.append(Setting("exact", "", registry.get("exact"), gamma))
+    for name, fields in ADAPTIVE_VARIANTS.items():
+      r = registry.get("adaptive", **{**extra, **fields})
+      points.append(Setting(name, "", r, r.max_window))
+    if values:
+      raise ValueError("--rule adaptive compares fixed variants; --values is not used with it "
+                       "(set fields with --set, e.g. --set tau_v_init=0.3)")
+    return points
+  if rule not in SWEPT:
+    raise ValueError(f"--rule must be one of {sorted(SWEPT) + ['adaptive']}, got {rule!r}")
+  if not values:
+    raise ValueError(f"--rule {rule} needs --values (its {SWEPT[rule]} settings)")
+  points += [Setting(rule, v, registry.get(rule, **{**extra, SWEPT[rule]: v}), gamma)
+             for v in values]
+  random_extra = {k: v for k, v in extra.items() if k != "mode"}
+  points += [Setting("fuzzy_random", v, registry.get("fuzzy_random", **{
+      **(random_extra if rule == "fuzzy" else {}), "threshold": v}), gamma) for v in random_values]
+  return points
+
+
+def decoder_for(point: Setting, base: runner.Decoder, draft_alone: runner.Decoder | None):
+  if point.section == "target":
+    return dataclasses.replace(base, draft=None, rule=None)
+  if point.section == "draft":
+    return draft_alone
+  return dataclasses.replace(base, rule=point.rule, gamma=point.gamma)
+
+
+def measure(dec: runner.Decoder, prompts: list[str], refs: list[str], metric: str,
+            quality_key: str, key, *, timing_prompts: int, repeats: int, batch_size: int) -> dict:
+  """Quality (batched) and batch-1 speed of one decoder."""
+  texts, rows = runner.generate_texts(dec, prompts, key, batch_size)
+  scores = metrics.evaluate(metric, texts, refs)
+  stats = runner.aggregate(rows)
+  seconds, tokens, compile_s, _ = time_decoding(dec, prompts[:timing_prompts], key, repeats)
+  return {"quality": scores[quality_key], **scores,
+          "tokens_per_s": tokens / seconds if seconds else float("nan"),
+          "ms_per_token": 1e3 * seconds / tokens if tokens else float("nan"),
+          "alpha": stats.get("acceptance_rate", float("nan")),
+          "tau": stats.get("block_efficiency", float("nan")),
+          "draft_share": draft_share(stats), "emitted": stats.get("emitted", 0),
+          "compile_s": compile_s}
+
+
+def draft_share(stats: dict) -> float:
+  """accepted / emitted: the share of emitted tokens that came from the draft (0 without one)."""
+  emitted = stats.get("emitted", 0)
+  return stats.get("accepted", 0) / emitted if emitted else float("nan")
+
+
+def record(point: Setting, result: dict) -> dict:
+  rule = point.rule
+  return {"curve": point.curve, "value": point.value,
+          "rule": getattr(rule, "rule_name", "") or point.section, "gamma": point.gamma,
+          "hparams": repr(rule) if rule is not None else "", **result}
+
+
+def write_csv(records: list[dict], path: str) -> None:
+  columns = list(dict.fromkeys(k for r in records for k in r))
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(records)
+
+
+def plot(records: list[dict], path: str, quality_key: str) -> bool:
+  """Quality against tokens/s, one line per curve; False (with a hint) without matplotlib."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print(f"matplotlib is missing, so {path} was not written: pip install 'specjax[eval]' "
+          f"(or pip install matplotlib)", file=sys.stderr)
+    return False
+  fig, ax = plt.subplots(figsize=(6, 4.5))
+  for curve in dict.fromkeys(r["curve"] for r in records):
+    pts = [r for r in records if r["curve"] == curve]
+    xs, ys = [r["tokens_per_s"] for r in pts], [r["quality"] for r in pts]
+    ax.plot(xs, ys, "o-" if len(pts) > 1 else "s", label=curve)
+    for r in pts:
+      if r["value"] != "":
+        ax.annotate(f"{r['value']:g}", (r["tokens_per_s"], r["quality"]), fontsize=7,
+                    textcoords="offset points", xytext=(3, 3))
+  ax.set_xlabel("tokens/s (batch 1)")
+  ax.set_ylabel(quality_key)
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=150)
+  plt.close(fig)
+  return True
+
+
+def sweep(points: list[tuple[Setting, runner.Decoder]], prompts, refs, metric, quality_key, key,
+          **timing) -> list[dict]:
+  records = []
+  for point, dec in points:
+    records.append(record(point, measure(dec, prompts, refs, metric, quality_key, key, **timing)))
+    r = records[-1]
+    print(f"{r['curve']:>14} {str(r['value']):>6}: {quality_key} {r['quality']:.2f}, "
+          f"{r['tokens_per_s']:.1f} tok/s, alpha {r['alpha']:.3f}, tau {r['tau']:.2f}, "
+          f"draft share {r['draft_share']:.3f}", flush=True)
+  return records
+
+
+def write(records: list[dict], output: str, quality_key: str) -> None:
+  write_csv(records, f"{output}.csv")
+  with open(f"{output}.json", "w") as f:
+    json.dump({"quality_key": quality_key, "records": records}, f, indent=2, default=str)
+  wrote = plot(records, f"{output}.png", quality_key)
+  print(f"wrote {output}.csv, {output}.json" + (f", {output}.png" if wrote else ""))
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="python -m eval.tradeoff", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", default="tiny.py")
+  p.add_argument("--rule", default="fuzzy", help="fuzzy, lenient or adaptive")
+  p.add_argument("--values", default="", help="comma-separated threshold / eps values")
+  p.add_argument("--random_values", default=None,
+                 help=f"random-acceptance probabilities (default for fuzzy: {DEFAULT_RANDOM}; "
+                      f"'' for none)")
+  p.add_argument("--set", action="append", default=[], help="rule hyperparameter NAME=VALUE")
+  p.add_argument("--num_examples", type=int, default=32)
+  p.add_argument("--batch_size", type=int, default=8)
+  p.add_argument("--timing_prompts", type=int, default=4)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--quality_key", default=None, help="metric key plotted (default per metric)")
+  p.add_argument("--output", default=None, help="output prefix (default tradeoff_RULE)")
+  return p.parse_known_args(argv)
+
+
+def build_points(config, args) -> list[tuple[Setting, runner.Decoder]]:
+  """The sweep's settings and their decoders, from the config and the command line."""
+  random_text = args.random_values
+  if random_text is None:
+    random_text = DEFAULT_RANDOM if args.rule == "fuzzy" else ""
+  base = runner.build(config, use_draft=True)
+  points = settings(args.rule, parse_values(args.values), base.gamma, parse_sets(args.set),
+                    parse_values(random_text))
+  draft_alone = runner.build_single(config, "draft")
+  return [(p, decoder_for(p, base, draft_alone)) for p in points]
+
+
+def main(argv=None) -> int:
+  from specjax.config import load_config
+  args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  config = load_config(args.config, overrides)
+  points = build_points(config, args)
+  source = runner.eval_source(config)
+  examples = source.eval_examples("validation", args.num_examples)
+  metric = source.task.metric or "rouge"
+  quality_key = args.quality_key or PRIMARY[metric]
+  records = sweep(points, [p for p, _ in examples], [r for _, r in examples], metric, quality_key,
+                  jax.random.PRNGKey(int(config.decode.seed)), timing_prompts=args.timing_prompts,
+                  repeats=args.repeats, batch_size=args.batch_size)
+  write(records, args.output or f"tradeoff_{args.rule}", quality_key)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

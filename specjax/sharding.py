@@ -1,0 +1,190 @@
+"""Device mesh and the ONE rules table that places params, optimizer state and batches on it.
+
+Parameter leaf name (fixed by docs/architecture.md) -> logical axes -> mesh axes:
+
+  query/key/value [D, H*Dh]  ('embed', 'heads')      out [H*Dh, D]   ('heads', 'embed')
+  wi/wi_0/wi_1    [D, F]     ('embed', 'mlp')        wo  [F, D]      ('mlp', 'embed')
+  embedding       [V, D]     ('vocab', 'embed')      lm_head [D, V]  ('embed', 'vocab')
+  relpos_bias     [N, H]     ('relpos', 'heads')     scale / bias    [D] ('embed',)
+
+and logical -> mesh: heads, mlp, vocab -> 'model' (tensor parallelism); batch -> 'data';
+embed, relpos, layers -> replicated. Flax Dense leaves take their module's name: `query/kernel`
+is `query`, and `query/bias` gets the kernel's output axis (('heads',)). A leaf with one extra
+leading axis (scanned layers) gets 'layers' in front. Names outside the table, dimensions that the
+mesh axis does not divide, and leaves of another rank are replicated (correct, just not sharded).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "model")
+
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "query": ("embed", "heads"), "key": ("embed", "heads"), "value": ("embed", "heads"),
+    "out": ("heads", "embed"),
+    "wi": ("embed", "mlp"), "wi_0": ("embed", "mlp"), "wi_1": ("embed", "mlp"),
+    "wo": ("mlp", "embed"),
+    "embedding": ("vocab", "embed"), "lm_head": ("embed", "vocab"),
+    "relpos_bias": ("relpos", "heads"),
+    "scale": ("embed",), "bias": ("embed",),
+}
+
+LOGICAL_TO_MESH: dict[str, str | None] = {
+    "batch": "data", "heads": "model", "mlp": "model", "vocab": "model",
+    "embed": None, "relpos": None, "layers": None,
+}
+
+
+class MeshError(ValueError):
+  pass
+
+
+def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
+  """A ('data', 'model') mesh; data=-1 takes every device not used by the model axis."""
+  devices = list(jax.devices() if devices is None else devices)
+  count = len(devices)
+  if model < 1 or (data < 1 and data != -1):
+    raise MeshError(f"mesh shape ({data}, {model}) is invalid: use positive sizes (data may be -1)")
+  if data == -1:
+    if count % model:
+      raise MeshError(f"mesh model axis {model} does not divide the {count} devices: set "
+                      f"--config.mesh.model to a divisor of {count}")
+    data = count // model
+  if data * model != count:
+    raise MeshError(f"mesh shape (data={data}, model={model}) needs {data * model} devices but "
+                    f"{count} are available: set --config.mesh.data and --config.mesh.model so "
+                    f"that data * model = {count} (or data=-1)")
+  grid = np.asarray(devices).reshape(data, model)
+  return Mesh(grid, MESH_AXES)
+
+
+def _names(path) -> tuple[str, ...]:
+  return tuple(str(getattr(e, "key", getattr(e, "name", getattr(e, "idx", "")))) for e in path)
+
+
+def leaf_axes(names: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
+  """Logical axes of a param leaf from its path names and rank (see the module docstring)."""
+  leaf = names[-1] if names else ""
+  parent = names[-2] if len(names) > 1 else ""
+  if leaf == "kernel":
+    axes = PARAM_AXES.get(parent)
+  elif leaf == "bias" and parent in PARAM_AXES and len(PARAM_AXES[parent]) == 2:
+    axes = PARAM_AXES[parent][-1:]
+  else:
+    axes = PARAM_AXES.get(leaf)
+  if axes is None:
+    return (None,) * ndim
+  if ndim == len(axes) + 1:
+    return ("layers",) + axes
+  return axes if ndim == len(axes) else (None,) * ndim
+
+
+def logical_axes(params) -> Any:
+  """A pytree like params whose leaves are tuples of logical axis names."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: leaf_axes(_names(path), np.ndim(x)), params)
+
+
+def spec_for(axes, shape, mesh: Mesh) -> P:
+  """Mesh PartitionSpec for logical axes; a dim the mesh axis does not divide is replicated."""
+  out, used = [], set()
+  for logical, size in zip(axes, shape):
+    mesh_axis = LOGICAL_TO_MESH.get(logical) if logical else None
+    if mesh_axis is None or mesh_axis in used or size % mesh.shape[mesh_axis]:
+      out.append(None)
+    else:
+      out.append(mesh_axis)
+      used.add(mesh_axis)
+  return P(*out)
+
+
+def param_shardings(params, mesh: Mesh) -> Any:
+  """NamedSharding per param leaf (works on arrays or jax.ShapeDtypeStruct)."""
+  def one(path, x):
+    axes = leaf_axes(_names(path), len(x.shape))
+    return NamedSharding(mesh, spec_for(axes, x.shape, mesh))
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _param_index(params) -> dict:
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {_names(path): x.shape for path, x in flat}
+
+
+def _match_param(path, index) -> tuple | None:
+  """The param path that ends this optimizer-state path (optax state nests the params tree)."""
+  names = _names(path)
+  for start in range(len(names)):
+    if names[start:] in index:
+      return names[start:]
+  return None
+
+
+def opt_state_shardings(opt_state, params, mesh: Mesh) -> Any:
+  """Shardings for optax state: moments shaped like a param reuse its spec; Adafactor's factored
+  moments (the param shape minus one dim) drop that dim's axis; anything else is replicated."""
+  index = _param_index(params)
+
+  def one(path, x):
+    shape = tuple(x.shape)
+    key = _match_param(path, index)
+    if key is None:
+      return NamedSharding(mesh, P())
+    pshape = tuple(index[key])
+    axes = leaf_axes(key, len(pshape))
+    if shape == pshape:
+      return NamedSharding(mesh, spec_for(axes, shape, mesh))
+    for drop in reversed(range(len(pshape))):
+      if pshape[:drop] + pshape[drop + 1:] == shape:
+        kept = axes[:drop] + axes[drop + 1:]
+        return NamedSharding(mesh, spec_for(kept, shape, mesh))
+    return NamedSharding(mesh, P())
+  return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) axis over 'data', the rest replicated; applies to every batch leaf."""
+  return NamedSharding(mesh, P("data"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def check_batch(batch_size: int, mesh: Mesh) -> None:
+  """The global batch must split evenly over the data axis and over the hosts."""
+  data = mesh.shape["data"]
+  if batch_size % data:
+    raise MeshError(f"global batch {batch_size} does not divide over the mesh data axis "
+                    f"({data}): pick a batch size that is a multiple of {data}")
+  hosts = jax.process_count()
+  if batch_size % hosts:
+    raise MeshError(f"global batch {batch_size} does not divide across {hosts} hosts: pick a "
+                    f"batch size that is a multiple of {hosts}")
+
+
+def host_slice(batch_size: int) -> slice:
+  """Rows of the global batch that this host feeds."""
+  per_host = batch_size // jax.process_count()
+  start = jax.process_index() * per_host
+  return slice(start, start + per_host)
+
+
+def shard_batch(tree, mesh: Mesh, local: bool = False):
+  """Place a batch pytree sharded over 'data'. local=True: each host passes only its own rows
+  (host_slice) and the global array is assembled from the process-local pieces."""
+  sharding = batch_sharding(mesh)
+  if local and jax.process_count() > 1:
+    return jax.tree_util.tree_map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+  return jax.device_put(tree, sharding)
+
+
+def num_params(params) -> int:
+  return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))

@@ -1,0 +1,1 @@
+"""Thin training CLIs: `python -m train.pretrain`, `python -m train.distill`."""

@@ -54,7 +54,8 @@ def parse_values(text: str) -> list[float]:
   try:
     return [float(v) for v in text.split(",") if v.strip()]
   except ValueError as err:
-    raise ValueError(f"--values must be comma-separated numbers (inf allowed), got {text!r}") from err
+    raise ValueError(f"--values must be comma-separated numbers (inf allowed), "
+                     f"got {text!r}") from err
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:

@@ -9,12 +9,12 @@ import numpy as np
 
 from specjax import loading
 from specjax.acceptance import registry
-from specjax.decoding import autoregressive, speculative
+from specjax.decoding import autoregressive, sequential, speculative
 from specjax.models import Prompt
 from specjax.sampling import Warp
 
 STAT_FIELDS = ("blocks", "drafted", "accepted", "verified", "emitted", "target_passes",
-               "draft_passes")
+               "draft_passes") + sequential.EXTRA_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,11 @@ class Decoder:
       return autoregressive.generate(
           self.target.model, self.target.params, prompt, key, max_new_tokens=self.max_new_tokens,
           warp=self.warp, eos_id=self.eos_id, max_len=max_len)
+    if isinstance(self.rule, sequential.Sprinter):       # SPRINTER has its own loop
+      return sequential.generate_with_rule(
+          self.rule, self.target.model, self.target.params, self.draft.model, self.draft.params,
+          prompt, key, max_new_tokens=self.max_new_tokens, warp=self.warp, eos_id=self.eos_id,
+          max_len=max_len)
     return speculative.generate(
         self.target.model, self.target.params, self.draft.model, self.draft.params, prompt, key,
         rule=self.rule, gamma=self.gamma, max_new_tokens=self.max_new_tokens, warp=self.warp,

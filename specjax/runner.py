@@ -38,6 +38,8 @@ class Decoder:
       return autoregressive.generate(
           self.target.model, self.target.params, prompt, key, max_new_tokens=self.max_new_tokens,
           warp=self.warp, eos_id=self.eos_id, max_len=max_len)
+    if isinstance(self.rule, StringLevel):
+      return string_level_generate(self, prompt, key)
     if isinstance(self.rule, sequential.Sprinter):       # SPRINTER has its own loop
       return sequential.generate_with_rule(
           self.rule, self.target.model, self.target.params, self.draft.model, self.draft.params,
@@ -57,13 +59,59 @@ def build(config, use_draft: bool | None = None, draft_section: str = "draft") -
                      and config.get("rule") and config.rule.get("name"))
   target = loading.load(config.target, "target")
   draft = loading.load(config[draft_section], draft_section) if use_draft else None
-  rule = None
-  if use_draft:
-    hparams = {k: v for k, v in config.rule.items() if k != "name"}
-    rule = registry.get(config.rule.name, **hparams)
+  rule = make_rule(config, target, draft) if use_draft else None
   warp = Warp(temperature=float(d.temperature), top_k=int(d.top_k), top_p=float(d.top_p))
   return Decoder(target=target, draft=draft, rule=rule, warp=warp, gamma=int(d.gamma),
                  max_new_tokens=int(d.max_new_tokens), max_len=int(d.get("max_len", 0) or 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class StringLevel:
+  """`--config.rule.name=slem|slrs`: the host-driven string-level loop (batch rows one by one)."""
+  method: str
+  max_depth: int = 3
+  lookbehind: int = 10
+
+  @property
+  def name(self) -> str:
+    return self.method
+
+
+def make_rule(config, target: loading.LoadedModel, draft: loading.LoadedModel):
+  """The configured rule; cross-vocabulary rules get the VocabMap of the two tokenizers."""
+  name = config.rule.name
+  hparams = {k: v for k, v in config.rule.items() if k != "name"}
+  if name in ("slem", "slrs"):
+    return StringLevel(name, int(hparams.get("max_depth", 3)),
+                       int(config.decode.get("lookbehind", 10)))
+  if name in ("intersection", "union"):
+    from specjax.acceptance import vocab
+    hparams["vocab"] = vocab.build(target.tokenizer, draft.tokenizer,
+                                   target_width=target.model.vocab_size,
+                                   draft_width=draft.model.vocab_size)
+  return registry.get(name, **hparams)
+
+
+def string_level_generate(dec: "Decoder", prompt: Prompt, key):
+  """Rows of `prompt` through specjax.decoding.string_level, gathered like a batched Generation."""
+  from specjax.decoding import string_level
+  from specjax.decoding.state import Generation, SpecStats
+  keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(np.arange(prompt.tokens.shape[0]))
+  tok = dec.target.tokenizer
+  outs = []
+  for b, (row, n) in enumerate(zip(np.asarray(prompt.tokens), np.asarray(prompt.lengths))):
+    ids = [int(t) for t in row[:n] if t != tok.bos_id]
+    outs.append(string_level.generate(
+        dec.target.model, dec.target.params, tok, dec.draft.model, dec.draft.params,
+        dec.draft.tokenizer, tok.decode(ids), keys[b], method=dec.rule.method, gamma=dec.gamma,
+        max_new_tokens=dec.max_new_tokens, warp=dec.warp, lookbehind=dec.rule.lookbehind,
+        max_depth=dec.rule.max_depth, eos_id=dec.eos_id, max_len=dec.max_len or None))
+  tokens = np.zeros((len(outs), dec.max_new_tokens), np.int32)
+  for b, o in enumerate(outs):
+    tokens[b, :len(o.tokens)] = o.tokens
+  stats = jax.tree.map(lambda *xs: np.concatenate(xs), *[o.stats for o in outs])
+  return Generation(tokens=tokens, lengths=np.asarray([len(o.tokens) for o in outs], np.int32),
+                    stats=stats)
 
 
 def bucket(n: int, minimum: int = 16) -> int:

@@ -21,7 +21,9 @@ import ml_collections as mlc
 
 from specjax.data.cache import cache_dir
 
-ROLES = ("target", "draft", "draft_distilled")
+ROLES = ("target", "draft", "draft_distilled")   # built together, in this order
+EXTRA_ROLES = ("draft_other_vocab",)                 # built on demand: a draft on another tokenizer
+OTHER_TOKENIZER = "stdlib:unigram:8000"
 
 
 def _decoder(d_model, layers, heads, d_ff, vocab, positions=256):
@@ -47,13 +49,13 @@ def recipe(name: str) -> mlc.ConfigDict:
     c.data = mlc.ConfigDict(dict(source="task", task="stdlib_lm", tokenizer=tokenizer,
                                  vocab_size=vocab, prompt_len=32, target_len=64, eos_id=1,
                                  pad_id=0, seed=0))
-    steps = dict(target=1500, draft=800, distill=300)
+    steps = dict(target=500, draft=500, distill=200)
   elif name == "tiny_t5":
     c.target, c.draft = _t5(256, 3, 4, 64, 768, vocab), _t5(64, 1, 2, 32, 256, vocab)
     c.data = mlc.ConfigDict(dict(source="task", task="stdlib_sum", tokenizer=tokenizer,
                                  vocab_size=vocab, prompt_len=128, target_len=32, eos_id=1,
                                  pad_id=0, seed=0))
-    steps = dict(target=1500, draft=800, distill=300)
+    steps = dict(target=500, draft=500, distill=200)
   else:
     raise ValueError(f"unknown embedded pair '{name}'; known: tiny, tiny_t5")
   scale = float(os.environ.get("SPECJAX_ZOO_STEP_SCALE", "1"))   # < 1: a quick smoke build
@@ -77,21 +79,28 @@ def pair_dir(name: str) -> Path:
 def ensure(spec: str) -> Path:
   """`NAME/ROLE` -> the exported checkpoint directory, building the pair on first use."""
   name, _, role = spec.partition("/")
-  if role not in ROLES:
-    raise ValueError(f"builtin:{spec}: role must be one of {ROLES}")
+  if role not in ROLES + EXTRA_ROLES:
+    raise ValueError(f"builtin:{spec}: role must be one of {ROLES + EXTRA_ROLES}")
   out = pair_dir(name) / role
   if not (out / "config.json").exists():
-    build(name)
+    build(name, [role] if role in EXTRA_ROLES else ROLES)
   return out
 
 
 def _stage_config(rec: mlc.ConfigDict, stage: str) -> mlc.ConfigDict:
   c = mlc.ConfigDict(rec.to_dict())
-  steps = int(rec.steps[stage if stage != "draft_distilled" else "distill"])
+  steps = int(rec.steps[{"draft_distilled": "distill", "draft_other_vocab": "draft"}.get(stage,
+                                                                                          stage)])
   c.train.steps = steps
   c.train.decay_start = steps // 2
   c.train.warmup_steps = max(steps // 30, 1)
-  if stage in ("target", "draft"):
+  if stage == "draft_other_vocab":          # the draft architecture on the second tokenizer
+    vocab = 8000
+    c.data.tokenizer, c.data.vocab_size = OTHER_TOKENIZER, vocab
+    c.draft.vocab_size = vocab
+    c.pretrain.model = "draft"
+    c.pretrain.steps = steps
+  elif stage in ("target", "draft"):
     c.pretrain.model = stage
     c.pretrain.steps = steps
   else:                                      # distill the pretrained draft towards the target
@@ -105,8 +114,8 @@ def pair_dir_work(rec) -> Path:
   return pair_dir(rec.name) / "work"
 
 
-def build(name: str) -> None:
-  """Train tokenizer, target, draft and distilled draft; export each as an HF-layout directory."""
+def build(name: str, stages=ROLES) -> None:
+  """Train the tokenizer and each stage's model; export each as an HF-layout directory."""
   from rich.console import Console
 
   from specjax.data.tokenizer import get_tokenizer
@@ -119,13 +128,13 @@ def build(name: str) -> None:
   rec.name = name
   console.print(f"[bold]specjax: building the embedded pair '{name}' into {pair_dir(name)} "
                 f"(first use only; about 10-15 minutes on 2 CPU cores)")
-  tokenizer = get_tokenizer(rec.data.tokenizer)
-  for stage in ROLES:
+  for stage in stages:
     out = pair_dir(name) / stage
     if (out / "config.json").exists():
       continue
     console.print(f"[bold]stage {stage}")
     config = _stage_config(rec, stage)
+    tokenizer = get_tokenizer(config.data.tokenizer)
     workdir = pair_dir_work(rec) / stage
     state = trainer.run_from_config(config, str(workdir), pretrain=stage != "draft_distilled")
     role = "target" if stage == "target" else "draft"

@@ -29,6 +29,7 @@ from specjax import sampling
 class Rule:
   """Base acceptance rule: sampled drafts from warped q, fixed-length drafting."""
   needs_same_vocab: ClassVar[bool] = True   # draft and target must share token ids
+  draft_image_width: ClassVar[int] = 1      # most draft tokens one target token can need
   rule_name: ClassVar[str] = ""             # set by registry.register
 
   def init_state(self, batch: int) -> Any:
@@ -46,6 +47,10 @@ class Rule:
   def to_draft_ids(self, tokens: jax.Array) -> jax.Array:
     """Target token ids -> the draft's ids for feeding the draft (identity for a shared vocab)."""
     return tokens
+
+  def draft_images(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Target ids [...] -> (draft encodings [..., W], their lengths [...]); W = 1 by default."""
+    return self.to_draft_ids(tokens)[..., None], jnp.ones_like(tokens)
 
   def propose(self, q_logp: jax.Array, keys: jax.Array) -> jax.Array:
     """q_logp [B, V], keys [B] -> draft token [B]: a sample of warped q."""

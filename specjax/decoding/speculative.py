@@ -97,7 +97,10 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
                      f"{prompt.tokens.shape[0]}: they must describe the same batch")
   # A block writes gamma+1 target entries after base+g-1 committed ones, and rows that are done
   # (g == max_new) are still computed: base + max_new + gamma covers every write of both models.
-  need = max(ar.prefix_len(target, prompt), ar.prefix_len(draft, dprompt)) + max_new_tokens + gamma
+  # A draft with another vocabulary may need up to `width` draft tokens per committed token.
+  width = rule.draft_image_width
+  need = max(ar.prefix_len(target, prompt) + max_new_tokens,
+             ar.prefix_len(draft, dprompt) + max_new_tokens * width) + gamma
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
   return Setup(target=target, draft=draft, rule=rule, gamma=gamma, max_new=max_new_tokens,
@@ -150,7 +153,8 @@ def block(setup: Setup, target_params, draft_params, anchors: Anchors, s: SpecSt
   live = ~s.done                                                          # [B]
   block_keys = sampling.position_keys(s.key, s.lengths)
   d = _draft(setup, draft_params, anchors, s, live, sampling.fold_rows(block_keys, 0))
-  feed = jnp.concatenate([s.last_two[:, 1:], d.tokens], axis=1)          # [B, K+1]
+  drafts = jnp.minimum(d.tokens, setup.target.vocab_size - 1)            # union's sentinel
+  feed = jnp.concatenate([s.last_two[:, 1:], drafts], axis=1)            # [B, K+1]
   p_logits, _, tcache = setup.target.extend(target_params, feed, s.target_cache)
   p_logp = setup.rule.p_log_probs(p_logits, setup.warp)                  # [B, K+1, V]
   n, next_token, rule_state = setup.rule.verify(
@@ -182,12 +186,11 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
   the first of the two is the last token of the draft's own prompt stream.
   """
   rule, model, K = setup.rule, setup.draft, setup.gamma
-  g = s.lengths
-  older = jnp.where(g == 1, anchors.draft_anchor, rule.to_draft_ids(s.last_two[:, 0]))
-  feed = jnp.stack([older, rule.to_draft_ids(s.last_two[:, 1])], axis=1)     # [B, 2]
-  cache = kv_cache.rollback(s.draft_cache, anchors.draft_base + g - 2)
-  logits, _, cache = model.extend(params, feed, cache)                    # [B, 2, V_d]
-  q = rule.q_log_probs(logits[:, -1], setup.warp)                         # [B, V]
+  start, feed, count = _draft_feed(rule, anchors, s)
+  cache = kv_cache.rollback(s.draft_cache, start)
+  logits, _, cache = model.extend(params, feed, cache)                    # [B, 2W, V_d]
+  cache = kv_cache.rollback(cache, start + count)
+  q = rule.q_log_probs(base.take_position(logits, count - 1), setup.warp)  # [B, V]
   batch, vocab = q.shape
   d = _Drafts(step=jnp.int32(0), q=q, tokens=jnp.zeros((batch, K), jnp.int32),
               q_logp=jnp.zeros((batch, K, vocab), jnp.float32),
@@ -203,6 +206,35 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
     return decide(d)
 
   return jax.lax.while_loop(lambda d: (d.step < K) & jnp.any(d.active), body, decide(d))
+
+
+def _draft_feed(rule, anchors: Anchors, s: SpecState):
+  """Where to rewind the draft and what to feed it: the draft encodings of the last two committed
+  tokens, packed left. Returns (start [B], feed [B, 2W], count [B] valid entries of feed).
+
+  The committed generated tokens t_0 .. t_{g-1} occupy sum_i len(image(t_i)) draft entries after
+  draft_base; start skips all but the last two (at g == 1 the older one is the draft's own prompt
+  anchor at draft_base - 1). Example, W = 2, image lengths of t_0..t_3 = [1, 2, 1, 2], g = 4:
+  start = draft_base + 3, feed = image(t_2) ++ image(t_3) ++ [0] (count 3). With a shared vocab
+  (W = 1) this is start = draft_base + g - 2 and feed = last_two.
+  """
+  g = s.lengths
+  _, lens = rule.draft_images(s.tokens)                                  # [B, N]
+  before = jnp.arange(s.tokens.shape[1])[None, :] < (g - 2)[:, None]
+  start = anchors.draft_base + jnp.sum(jnp.where(before, lens, 0), axis=1) - (g == 1)
+  old_ids, old_len = rule.draft_images(s.last_two[:, 0])
+  anchor = jnp.zeros_like(old_ids).at[:, 0].set(anchors.draft_anchor)
+  old_ids = jnp.where((g == 1)[:, None], anchor, old_ids)
+  old_len = jnp.where(g == 1, 1, old_len)
+  new_ids, new_len = rule.draft_images(s.last_two[:, 1])
+  both = jnp.concatenate([old_ids, new_ids], axis=1)                     # [B, 2W]
+  j = jnp.arange(both.shape[1])[None, :]
+  width = old_ids.shape[1]
+  src = jnp.where(j < old_len[:, None], j, j - old_len[:, None] + width)
+  count = (old_len + new_len).astype(jnp.int32)
+  feed = jnp.where(j < count[:, None], jnp.take_along_axis(both, jnp.minimum(src, 2 * width - 1),
+                                                           axis=1), 0)
+  return start.astype(jnp.int32), feed.astype(jnp.int32), count
 
 
 def _decide(rule, keys, rule_state, d: _Drafts) -> _Drafts:

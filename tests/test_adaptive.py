@@ -113,14 +113,15 @@ def _window(rule, q_steps, state):
   active = jnp.ones(q_steps.shape[1], bool)
   length = jnp.zeros(q_steps.shape[1], jnp.int32)
   for step in range(q_steps.shape[0]):
-    active = active & rule.keep_drafting(q_steps[step], jnp.int32(step), state)
-    length = length + active
+    keep = active & rule.keep_drafting(q_steps[step], jnp.int32(step), state)
+    length = length + keep
+    active = keep & ~rule.stop_after(q_steps[step], jnp.int32(step), state)
   return np.asarray(length)
 
 
 def test_entropy_window_and_its_cap():
-  """§6.4: with fixed tau_g the window ends before the first draft with H > tau_g (draft 0 is
-  always offered: min_window = 1), and never exceeds max_window = 20."""
+  """§6.4: with fixed tau_g the window ends with the first draft whose H > tau_g (that stopping
+  draft is offered, §7), and never exceeds max_window = 20."""
   steps, rows, vocab = 26, 64, 6
   q = jax.nn.log_softmax(3.0 * jax.random.normal(jax.random.PRNGKey(0), (steps, rows, vocab)))
   q = q.at[:, :4].set(jnp.log(jnp.eye(vocab)[0] * 0.99 + 0.002))    # rows 0-3: confident always
@@ -130,8 +131,8 @@ def test_entropy_window_and_its_cap():
                             sum_d_rej=jnp.zeros(rows), sum_h_rej=jnp.full(rows, 2 * tau_g),
                             n_rej=jnp.full(rows, 2, jnp.int32))
   got = _window(registry.get("adaptive"), q, state)
-  over = (h > tau_g) & (np.arange(steps) >= 1)[:, None]             # draft 0 is always offered
-  first = np.where(over.any(0), over.argmax(0), steps)
+  over = h > tau_g
+  first = np.where(over.any(0), over.argmax(0) + 1, steps)           # the stopping draft counts
   np.testing.assert_array_equal(got, np.minimum(first, 20))
   assert ((h[0] > tau_g) & (got == 1)).any()
   assert (got[:4] == 20).all() and len(np.unique(got)) > 3

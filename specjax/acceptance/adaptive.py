@@ -13,10 +13,10 @@ acceptance test, both with thresholds learned online from the row's own history.
 The history lives in rule_state as running sums per row (reset per generate call, i.e. per
 prompt); only verified drafts are recorded: the accepted ones and the first rejected one.
 
-Window: the loop's gamma is the static maximum; keep_drafting also stops a row after max_window
-(20) drafts. keep_drafting is asked before draft j is proposed, from q_j, so a draft whose entropy
-exceeds tau_g is not offered (the paper offers it, then stops: that needs the loop to ask after
-proposing); the first min_window drafts are always offered, so a block drafts at least one token.
+Window: the loop's gamma is the static maximum; keep_drafting stops a row after max_window (20)
+drafts. stop_after is asked after draft j is proposed from q_j: a draft whose entropy exceeds
+tau_g is offered, then drafting stops, as the paper (and HF stopping criteria) keep the stopping
+token; the first min_window drafts never stop the block.
 
 Ablations: js_accept=False is Gen-Only (tau_v = 0: exact SD with the entropy window, lossless);
 entropy_stop=False with max_window=5 is Verify-Only. tau_v_rule picks the paper's appendix
@@ -100,11 +100,16 @@ class Adaptive(base.Rule):
     return tau_g.astype(jnp.float32), tau_v.astype(jnp.float32)
 
   def keep_drafting(self, q_logp, step, rule_state):
-    within = jnp.broadcast_to(step < self.max_window, q_logp.shape[:1])
+    del rule_state
+    return jnp.broadcast_to(step < self.max_window, q_logp.shape[:1])
+
+  def stop_after(self, q_logp, step, rule_state):
+    """The draft whose entropy exceeds tau_g is offered, then drafting stops (papers/adasd.md §7:
+    the stopping token is kept); never before min_window drafts."""
     if not self.entropy_stop:
-      return within
+      return jnp.zeros(q_logp.shape[:1], bool)
     tau_g, _ = self.thresholds(rule_state)
-    return within & ((step < self.min_window) | (dv.entropy(q_logp) <= tau_g))
+    return (step + 1 >= self.min_window) & (dv.entropy(q_logp) > tau_g)
 
   def decide(self, sd_accept, dist, ent, draft_len, s: AdaState) -> tuple[jax.Array, AdaState]:
     """One verification from the per-draft evidence [B, K]: the speculative test's outcome, the JS

@@ -61,6 +61,12 @@ class Rule:
     del step, rule_state
     return jnp.ones(q_logp.shape[:1], bool)
 
+  def stop_after(self, q_logp: jax.Array, step: jax.Array, rule_state: Any) -> jax.Array:
+    """Called after proposing draft `step` from q_logp [B, V]; True offers that draft, then ends
+    the row's block (AdaSD keeps its stopping token)."""
+    del step, rule_state
+    return jnp.zeros(q_logp.shape[:1], bool)
+
   def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
     raise NotImplementedError(f"{type(self).__name__} must implement verify()")
 

@@ -242,9 +242,10 @@ def _decide(rule, keys, rule_state, d: _Drafts) -> _Drafts:
   keep = d.active & rule.keep_drafting(d.q, d.step, rule_state)
   step_keys = jax.vmap(lambda k: jax.random.fold_in(k, d.step))(keys)
   token = rule.propose(d.q, step_keys).astype(jnp.int32)
+  stop = rule.stop_after(d.q, d.step, rule_state)
   return d.replace(step=d.step + 1, tokens=d.tokens.at[:, d.step].set(token),
                    q_logp=d.q_logp.at[:, d.step].set(d.q.astype(jnp.float32)),
-                   draft_len=d.draft_len + keep, active=keep)
+                   draft_len=d.draft_len + keep, active=keep & ~stop)
 
 
 def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, next_token):

@@ -39,8 +39,7 @@ def time_decoding(dec: runner.Decoder, prompts, key, repeats):
   """Total median seconds, tokens and compile seconds over batch-1 runs of every prompt."""
   total_s, tokens, compile_s, rows = 0.0, 0, 0.0, []
   for i, text in enumerate(prompts):
-    prompt = runner.encode_prompts(dec.target, [text])
-    draft_prompt = runner.encode_prompts(dec.draft, [text]) if dec.draft else None
+    prompt, draft_prompt = dec.encode([text])
     k = jax.random.fold_in(key, i)
     gen, comp, median = timing.timed(lambda: dec.generate(prompt, k, draft_prompt), repeats)
     total_s += median
@@ -55,8 +54,7 @@ def measure(dec: runner.Decoder, prompts, repeats: int, seed: int) -> dict:
   ar = dataclasses.replace(dec, draft=None)
   ar_s, ar_tokens, ar_compile, _ = time_decoding(ar, prompts, key, repeats)
   sd_s, sd_tokens, sd_compile, stats = time_decoding(dec, prompts, key, repeats)
-  probe = runner.encode_prompts(dec.target, prompts[:1])
-  draft_probe = runner.encode_prompts(dec.draft, prompts[:1])
+  probe, draft_probe = dec.encode(prompts[:1])
   t1 = timing.step_time(dec.target.model, dec.target.params, probe, 1)
   tv = timing.step_time(dec.target.model, dec.target.params, probe, dec.gamma + 1)
   d1 = timing.step_time(dec.draft.model, dec.draft.params, draft_probe, 1)
@@ -64,7 +62,7 @@ def measure(dec: runner.Decoder, prompts, repeats: int, seed: int) -> dict:
   tau, alpha = stats.get("block_efficiency", 1.0), stats.get("acceptance_rate", 0.0)
   ar_ms, sd_ms = 1e3 * ar_s / ar_tokens, 1e3 * sd_s / sd_tokens
   return dict(
-      rule=dec.rule.name if hasattr(dec.rule, "name") else type(dec.rule).__name__,
+      rule=dec.rule_name,
       gamma=dec.gamma, prompts=len(prompts), ar_tokens=ar_tokens, sd_tokens=sd_tokens,
       ar_ms_per_token=ar_ms, sd_ms_per_token=sd_ms, speedup=ar_ms / sd_ms,
       predicted_speedup=tau / (c * dec.gamma + 1), model_predicted_speedup=tau / (c * dec.gamma + v),

@@ -32,6 +32,25 @@ class Decoder:
   def eos_id(self) -> int:
     return int(self.target.tokenizer.eos_id)
 
+  @property
+  def rule_name(self) -> str:
+    return getattr(self.rule, "rule_name", "") or getattr(self.rule, "name", "") or "none"
+
+  def room(self, loaded: loading.LoadedModel) -> int | None:
+    """Cache positions left for a prompt: max_len (or the model's position table) minus the
+    generated tokens and the verify block. None: unbounded (T5 prompts live in the encoder)."""
+    if loaded.model.is_encoder_decoder:
+      return None
+    limit = self.max_len or getattr(getattr(loaded.model, "config", None), "n_positions", None)
+    return None if limit is None else limit - self.max_new_tokens - self.gamma - 1
+
+  def encode(self, texts: list[str]) -> tuple[Prompt, Prompt | None]:
+    """(target prompt, draft prompt or None) for a batch of texts."""
+    prompt = encode_prompts(self.target, texts, self.room(self.target))
+    if self.draft is None:
+      return prompt, None
+    return prompt, encode_prompts(self.draft, texts, self.room(self.draft))
+
   def generate(self, prompt: Prompt, key, draft_prompt: Prompt | None = None):
     max_len = self.max_len or None
     if self.draft is None:
@@ -122,7 +141,9 @@ def bucket(n: int, minimum: int = 16) -> int:
   return width
 
 
-def encode_prompts(loaded: loading.LoadedModel, texts: list[str]) -> Prompt:
+def encode_prompts(loaded: loading.LoadedModel, texts: list[str], room: int | None = None) -> Prompt:
+  """Tokenize (T5: + EOS; decoder-only: BOS +) and right-pad to a bucket, clipped to `room`
+  (the cache positions left for the prompt) when the prompt itself fits there."""
   tok, model = loaded.tokenizer, loaded.model
   rows = []
   for text in texts:
@@ -132,7 +153,11 @@ def encode_prompts(loaded: loading.LoadedModel, texts: list[str]) -> Prompt:
     elif tok.bos_id is not None and tok.bos_id >= 0:
       ids = [tok.bos_id] + ids
     rows.append(ids)
-  return Prompt.from_lists(rows, pad_to=bucket(max(len(r) for r in rows)), pad_id=tok.pad_id)
+  longest = max(len(r) for r in rows)
+  width = bucket(longest)
+  if room is not None and longest <= room:
+    width = min(width, room)
+  return Prompt.from_lists(rows, pad_to=width, pad_id=tok.pad_id)
 
 
 def decode_rows(loaded: loading.LoadedModel, tokens, lengths) -> list[tuple[list[int], str]]:
@@ -167,8 +192,7 @@ def run(config, prompts: list[str]) -> dict:
   results = []
   for start in range(0, len(prompts), batch_size):
     texts = prompts[start:start + batch_size]
-    prompt = encode_prompts(dec.target, texts)
-    draft_prompt = encode_prompts(dec.draft, texts) if dec.draft is not None else None
+    prompt, draft_prompt = dec.encode(texts)
     gen = dec.generate(prompt, jax.random.fold_in(key, start), draft_prompt)
     decoded = decode_rows(dec.target, gen.tokens, gen.lengths)
     for text, (ids, out), st in zip(texts, decoded, stats_rows(gen.stats, len(texts))):
@@ -224,8 +248,7 @@ def generate_texts(dec: Decoder, prompts: list[str], key, batch_size: int = 16):
   for start in range(0, len(prompts), batch_size):
     chunk = prompts[start:start + batch_size]
     chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))          # one shape: pad the batch
-    prompt = encode_prompts(dec.target, chunk)
-    draft_prompt = encode_prompts(dec.draft, chunk) if dec.draft is not None else None
+    prompt, draft_prompt = dec.encode(chunk)
     gen = dec.generate(prompt, jax.random.fold_in(key, start), draft_prompt)
     n = min(batch_size, len(prompts) - start)
     texts += [t for _, t in decode_rows(dec.target, gen.tokens, gen.lengths)][:n]

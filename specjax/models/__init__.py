@@ -23,6 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 
 
+class ModelBase:
+  """Properties shared by the frozen model wrappers; `config` has vocab_size, d_model, dtype."""
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def hidden_size(self) -> int:
+    return self.config.d_model
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.config.dtype)
+
+
 @flax.struct.dataclass(kw_only=True)
 class Prompt:
   tokens: jax.Array    # [B, P] int32, right-padded

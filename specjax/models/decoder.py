@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import Prompt
+from specjax.models import ModelBase, Prompt
 from specjax.models import kv_cache as kvc
 
 Params = Any
@@ -205,22 +205,10 @@ class _Transformer(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class Decoder:
+class Decoder(ModelBase):
   """Frozen, hashable wrapper (a static jit argument) exposing the model contract."""
   config: DecoderConfig
   is_encoder_decoder: bool = dataclasses.field(default=False, init=False)
-
-  @property
-  def vocab_size(self) -> int:
-    return self.config.vocab_size
-
-  @property
-  def hidden_size(self) -> int:
-    return self.config.d_model
-
-  @property
-  def dtype(self):
-    return jnp.dtype(self.config.dtype)
 
   @property
   def module(self) -> _Transformer:

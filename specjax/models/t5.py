@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import Prompt
+from specjax.models import ModelBase, Prompt
 from specjax.models import kv_cache as kvc
 
 Params = dict[str, Any]
@@ -290,22 +290,10 @@ class _T5Module(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class T5:
+class T5(ModelBase):
   """Frozen, hashable wrapper (a static jit argument) exposing the model contract."""
   config: T5Config
   is_encoder_decoder: bool = dataclasses.field(default=True, init=False)
-
-  @property
-  def vocab_size(self) -> int:
-    return self.config.vocab_size
-
-  @property
-  def hidden_size(self) -> int:
-    return self.config.d_model
-
-  @property
-  def dtype(self):
-    return jnp.dtype(self.config.dtype)
 
   @property
   def module(self) -> _T5Module:

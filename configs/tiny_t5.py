@@ -20,6 +20,6 @@ def get_config():
       gamma=4, max_new_tokens=32, temperature=1.0, top_k=0, top_p=1.0, seed=0, max_len=0,
       batch_size=1))
   c.data = ml_collections.ConfigDict(dict(task="stdlib_sum", tokenizer="stdlib:bpe:2000",
-                                          max_prompt_len=128, max_target_len=32))
+                                          max_prompt_len=96, max_target_len=32))
   c.prompts = ["def add(a, b):\n    return a + b\n"]
   return c

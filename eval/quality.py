@@ -3,6 +3,8 @@
     python -m eval.quality --config tiny.py --output_json quality.json
     python -m eval.quality --config tiny_t5.py --num_examples 128
 
+Modes: target, draft_raw_only, draft_only (the distilled draft), sd_RULE (with the distilled draft)
+and sd_RULE_raw_draft (with the raw draft: the acceptance-rate gain of distillation).
 Each mode decodes the same validation prompts with the config's decode settings (same seed) and
 scores the outputs against the references with the task's metric (ROUGE for the stdlib tasks).
 """
@@ -37,6 +39,9 @@ def decoders(config) -> dict:
     if config.get(section) and config[section].get("checkpoint"):
       out[f"{section}_only"] = runner.build_single(config, section)
   out[f"sd_{config.rule.name}"] = runner.build(config, use_draft=True)
+  if config.get("draft_raw") and config.draft_raw.get("checkpoint"):   # DistillSpec's comparison
+    out[f"sd_{config.rule.name}_raw_draft"] = runner.build(config, use_draft=True,
+                                                          draft_section="draft_raw")
   return out
 
 

@@ -35,7 +35,8 @@ def _extend_loop(model, params, cache, width: int, steps: int):
   def body(_, carry):
     c, acc = carry
     logits, _, c = model.extend(params, tokens, c)
-    return kv_cache.rollback(c, base), acc + logits[:, -1, 0]
+    # Reduce over every logit so that XLA cannot prune the head or unused positions.
+    return kv_cache.rollback(c, base), acc + jnp.sum(logits, axis=(1, 2))
 
   _, acc = jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros(base.shape, jnp.float32)))
   return acc

@@ -54,9 +54,9 @@ def recipe(name: str) -> mlc.ConfigDict:
   elif name == "tiny_t5":
     c.target, c.draft = _t5(256, 3, 4, 64, 768, vocab), _t5(64, 1, 2, 32, 256, vocab)
     c.data = mlc.ConfigDict(dict(source="task", task="stdlib_sum", tokenizer=tokenizer,
-                                 vocab_size=vocab, prompt_len=128, target_len=32, eos_id=1,
+                                 vocab_size=vocab, prompt_len=96, target_len=32, eos_id=1,
                                  pad_id=0, seed=0))
-    steps = dict(target=600, draft=300, distill=150)
+    steps = dict(target=400, draft=300, distill=100)
   else:
     raise ValueError(f"unknown embedded pair '{name}'; known: tiny, tiny_t5")
   scale = float(os.environ.get("SPECJAX_ZOO_STEP_SCALE", "1"))   # < 1: a quick smoke build

@@ -55,9 +55,13 @@ def measure(dec: runner.Decoder, prompts, repeats: int, seed: int) -> dict:
   ar_s, ar_tokens, ar_compile, _ = time_decoding(ar, prompts, key, repeats)
   sd_s, sd_tokens, sd_compile, stats = time_decoding(dec, prompts, key, repeats)
   probe, draft_probe = dec.encode(prompts[:1])
-  t1 = timing.step_time(dec.target.model, dec.target.params, probe, 1)
-  tv = timing.step_time(dec.target.model, dec.target.params, probe, dec.gamma + 1)
-  d1 = timing.step_time(dec.draft.model, dec.draft.params, draft_probe, 1)
+  cap = lambda model, p: (1 if model.is_encoder_decoder else p.tokens.shape[1]) + \
+      dec.max_new_tokens + dec.gamma                       # the cache size decoding uses
+  target, draft = dec.target, dec.draft
+  t1 = timing.step_time(target.model, target.params, probe, 1, cap(target.model, probe))
+  tv = timing.step_time(target.model, target.params, probe, dec.gamma + 1,
+                        cap(target.model, probe))
+  d1 = timing.step_time(draft.model, draft.params, draft_probe, 1, cap(draft.model, draft_probe))
   c, v = d1 / t1, tv / t1
   tau, alpha = stats.get("block_efficiency", 1.0), stats.get("acceptance_rate", 0.0)
   ar_ms, sd_ms = 1e3 * ar_s / ar_tokens, 1e3 * sd_s / sd_tokens

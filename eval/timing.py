@@ -42,11 +42,13 @@ def _extend_loop(model, params, cache, width: int, steps: int):
   return acc
 
 
-def step_time(model, params, prompt, width: int, steps: int = 64, repeats: int = 5) -> float:
-  """Seconds per model pass over `width` tokens after the prompt, at batch = prompt rows."""
+def step_time(model, params, prompt, width: int, capacity: int, steps: int = 64,
+              repeats: int = 5) -> float:
+  """Seconds per model pass over `width` tokens after the prompt, at batch = prompt rows, with a
+  cache of `capacity` entries: the size decoding uses, since a pass's cost grows with it."""
   enc_len = prompt.tokens.shape[1] if model.is_encoder_decoder else 0
   prefix = 1 if model.is_encoder_decoder else prompt.tokens.shape[1]
-  cache = model.init_cache(prompt.tokens.shape[0], prefix + width + 1, enc_len)
+  cache = model.init_cache(prompt.tokens.shape[0], max(capacity, prefix + width), enc_len)
   _, _, cache = model.prefill(params, prompt, cache)
   _, _, median = timed(lambda: _extend_loop(model, params, cache, width, steps), repeats)
   return median / steps

@@ -113,7 +113,9 @@ class _Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, k_buf, v_buf, lengths, mask):
-    """x [B,T,D]; k_buf, v_buf [B,S,H,Dh] one layer of the cache; mask [B,T,S]."""
+    """x [B,T,D]; k_buf, v_buf [B,S,H,Dh] one layer of the cache (read only); mask = (old [B,1,S]
+    cache entries < lengths, new [T,T] causal). Returns the output and this block's k, v
+    [B,T,H,Dh]: the caller writes every layer's entries in one go (no per-layer buffer copies)."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     batch, num_new, _ = x.shape
@@ -123,16 +125,20 @@ class _Attention(nn.Module):
     q = dense(name="query")(x).reshape(batch, num_new, heads, head_dim)          # [B, T, H, Dh]
     k = dense(name="key")(x).reshape(batch, num_new, heads, head_dim)
     v = dense(name="value")(x).reshape(batch, num_new, heads, head_dim)
-    k_buf = kvc.write_layer(k_buf, k, lengths)                                 # [B, S, H, Dh]
-    v_buf = kvc.write_layer(v_buf, v, lengths)
-    scores = jnp.einsum("bthd,bshd->bhts", q, k_buf,
-                        preferred_element_type=jnp.float32) / math.sqrt(head_dim)  # [B, H, T, S]
-    scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+    old_mask, new_mask = mask
+    scale = 1.0 / math.sqrt(head_dim)
+    s_old = jnp.einsum("bthd,bshd->bhts", q, k_buf, preferred_element_type=jnp.float32) * scale
+    s_new = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+    low = jnp.finfo(jnp.float32).min
+    scores = jnp.concatenate([jnp.where(old_mask[:, None], s_old, low),            # [B, H, T, S]
+                              jnp.where(new_mask[None, None], s_new, low)], -1)    # + [B, H, T, T]
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    ctx = jnp.einsum("bhts,bshd->bthd", probs, v_buf).reshape(batch, num_new, heads * head_dim)
+    ctx = (jnp.einsum("bhts,bshd->bthd", probs[..., :k_buf.shape[1]], v_buf)
+           + jnp.einsum("bhts,bshd->bthd", probs[..., k_buf.shape[1]:], v))
     out = nn.Dense(cfg.d_model, dtype=dt, param_dtype=dt, name="out",
-                   kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(ctx)  # [B, T, D]
-    return out, k_buf, v_buf
+                   kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(
+                       ctx.reshape(batch, num_new, heads * head_dim))                # [B, T, D]
+    return out, k, v
 
 
 class _Mlp(nn.Module):
@@ -183,10 +189,16 @@ class _Transformer(nn.Module):
     pos = kvc.positions(lengths, num_new)                                      # [B, T]
     x = (jnp.take(wte, tokens, axis=0, mode="clip")
          + jnp.take(wpe, pos, axis=0, mode="clip")).astype(dt)                  # [B, T, D]
-    mask = kvc.self_attention_mask(lengths, num_new, k.shape[2])                # [B, T, S]
-    for i in range(cfg.num_layers):   # .at[i].set keeps the [L,B,S,H,Dh] buffers updatable in place
+    mask = (jnp.arange(k.shape[2])[None, None, :] < lengths[:, None, None],     # [B, 1, S]
+            jnp.tril(jnp.ones((num_new, num_new), bool)))                      # [T, T]
+    new_k, new_v = [], []
+    for i in range(cfg.num_layers):
       x, k_i, v_i = _Block(cfg, name=f"layers_{i}")(x, k[i], v[i], lengths, mask)
-      k, v = k.at[i].set(k_i), v.at[i].set(v_i)
+      new_k.append(k_i)
+      new_v.append(v_i)
+    # One write of every layer's new entries: per-layer writes copied the buffers (5x slower).
+    k = kvc.write_layers(k, jnp.stack(new_k), lengths)                         # [L, B, S, H, Dh]
+    v = kvc.write_layers(v, jnp.stack(new_v), lengths)
     hidden = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt,
                           name="ln_f")(x)                                      # [B, T, D]
     if select is not None:

@@ -50,6 +50,25 @@ def write_layer(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array
   return jax.vmap(one)(buf, new, lengths)
 
 
+ROWWISE_MAX_BATCH = 8
+
+
+def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+  """write_layer for every layer at once: buf [L, B, S, H, Dh], new [L, B, T, H, Dh].
+
+  Small batches (the latency-bound case) write row by row with scalar-offset
+  dynamic_update_slice, which XLA performs in place inside the decoding loop; the batched form
+  lowers to a scatter that copies the whole buffer each call (cost linear in the cache size).
+  """
+  batch = buf.shape[1]
+  if batch > ROWWISE_MAX_BATCH:
+    return jax.vmap(write_layer, in_axes=(0, 0, None))(buf, new, lengths)
+  new = new.astype(buf.dtype)
+  for b in range(batch):
+    buf = jax.lax.dynamic_update_slice(buf, new[:, b:b + 1], (0, b, lengths[b], 0, 0))
+  return buf
+
+
 def positions(lengths: jax.Array, num_new: int) -> jax.Array:
   """Absolute positions of the next `num_new` tokens of each row: [B, T]."""
   return lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]

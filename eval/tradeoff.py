@@ -225,6 +225,7 @@ def build_points(config, args) -> list[tuple[Setting, runner.Decoder]]:
 def main(argv=None) -> int:
   from specjax.config import load_config
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  runner.enable_compilation_cache()
   config = load_config(args.config, overrides)
   points = build_points(config, args)
   source = runner.eval_source(config)

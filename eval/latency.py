@@ -3,8 +3,11 @@
     python -m eval.latency --config tiny.py
     python -m eval.latency --config tiny.py --gamma 1,3,5,7 --output_json latency.json
 
-Both are timed after compilation (compile time reported apart), median of --repeats runs per
-prompt. Also measured: the cost ratio c = draft step / target step, the verify cost ratio
+Both are timed after compilation (compile time reported apart), alternating, median of --repeats
+runs per prompt: whole generations (ms/token, speedup) and the decode phase after the first token
+(decode ms/token, decode_speedup; the first token, i.e. prefill, is reported apart as in vLLM's
+TTFT/TPOT), which is what the cost model describes: model_efficiency = decode_speedup /
+tau/(c*gamma+v). Also measured: the cost ratio c = draft step / target step, the verify cost ratio
 v = target pass over gamma+1 tokens / single-token target pass, and the predicted speedups
 tau/(c*gamma+1) (the paper's) and tau/(c*gamma+v) (the cost model with v).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 
@@ -29,55 +33,80 @@ def parse_args(argv):
   p.add_argument("--config", default="tiny.py")
   p.add_argument("--gamma", default="", help="comma-separated gammas to sweep (default: config)")
   p.add_argument("--num_prompts", type=int, default=8)
-  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--output_json")
   args, rest = p.parse_known_args(argv)
   return args, rest
 
 
-def time_decoding(dec: runner.Decoder, prompts, key, repeats):
-  """Total median seconds, tokens and compile seconds over batch-1 runs of every prompt."""
-  total_s, tokens, compile_s, rows = 0.0, 0, 0.0, []
+def time_decoding(decoders: dict, prompts, key, repeats) -> dict:
+  """Per decoder: median seconds of whole generations and of first tokens only (prefill of every
+  model + one token: the time to first token), summed over batch-1 runs of every prompt; tokens;
+  compile seconds; statistics."""
+  acc = {name: dict(total_s=0.0, first_s=0.0, tokens=0, compile_s=0.0, rows=[])
+         for name in decoders}
   for i, text in enumerate(prompts):
-    prompt, draft_prompt = dec.encode([text])
+    prompt, draft_prompt = next(iter(decoders.values())).encode([text])
     k = jax.random.fold_in(key, i)
-    gen, comp, median = timing.timed(lambda: dec.generate(prompt, k, draft_prompt), repeats)
-    total_s += median
-    compile_s += comp
-    tokens += int(gen.lengths[0])
-    rows += runner.stats_rows(gen.stats, 1)
-  return total_s, tokens, compile_s, runner.aggregate(rows)
+    calls = {}
+    for name, dec in decoders.items():
+      first = dataclasses.replace(dec, max_new_tokens=1)
+      calls[name] = functools.partial(dec.generate, prompt, k, draft_prompt)
+      calls[name + "/first"] = functools.partial(first.generate, prompt, k, draft_prompt)
+    timed = timing.alternating(calls, repeats)
+    for name, a in acc.items():
+      gen, comp, median = timed[name]
+      a["total_s"] += median
+      a["first_s"] += timed[name + "/first"][2]
+      a["compile_s"] += comp + timed[name + "/first"][1]
+      a["tokens"] += int(gen.lengths[0])
+      a["rows"] += runner.stats_rows(gen.stats, 1)
+  for a in acc.values():
+    a["stats"] = runner.aggregate(a.pop("rows"))
+  return acc
 
 
 def measure(dec: runner.Decoder, prompts, repeats: int, seed: int) -> dict:
   key = jax.random.PRNGKey(seed)
-  ar = dataclasses.replace(dec, draft=None)
-  ar_s, ar_tokens, ar_compile, _ = time_decoding(ar, prompts, key, repeats)
-  sd_s, sd_tokens, sd_compile, stats = time_decoding(dec, prompts, key, repeats)
+  runs = time_decoding({"ar": dataclasses.replace(dec, draft=None), "sd": dec}, prompts, key,
+                       repeats)
+  ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]
   probe, draft_probe = dec.encode(prompts[:1])
   cap = lambda model, p: (1 if model.is_encoder_decoder else p.tokens.shape[1]) + \
       dec.max_new_tokens + dec.gamma                       # the cache size decoding uses
   target, draft = dec.target, dec.draft
-  t1 = timing.step_time(target.model, target.params, probe, 1, cap(target.model, probe))
-  tv = timing.step_time(target.model, target.params, probe, dec.gamma + 1,
-                        cap(target.model, probe))
-  d1 = timing.step_time(draft.model, draft.params, draft_probe, 1, cap(draft.model, draft_probe))
+  steps = timing.step_times({
+      "t1": (target.model, target.params, probe, 1, cap(target.model, probe)),
+      "tv": (target.model, target.params, probe, dec.gamma + 1, cap(target.model, probe)),
+      "d1": (draft.model, draft.params, draft_probe, 1, cap(draft.model, draft_probe))},
+      repeats=max(repeats, 9))
+  t1, tv, d1 = steps["t1"], steps["tv"], steps["d1"]
   c, v = d1 / t1, tv / t1
   tau, alpha = stats.get("block_efficiency", 1.0), stats.get("acceptance_rate", 0.0)
-  ar_ms, sd_ms = 1e3 * ar_s / ar_tokens, 1e3 * sd_s / sd_tokens
+  per_token = lambda r: 1e3 * r["total_s"] / r["tokens"]
+  # After the first token: what the cost model describes (prefill and the first token apart).
+  decode = lambda r: 1e3 * (r["total_s"] - r["first_s"]) / max(r["tokens"] - len(prompts), 1)
+  model_predicted = tau / (c * dec.gamma + v)
   return dict(
       rule=dec.rule_name,
-      gamma=dec.gamma, prompts=len(prompts), ar_tokens=ar_tokens, sd_tokens=sd_tokens,
-      ar_ms_per_token=ar_ms, sd_ms_per_token=sd_ms, speedup=ar_ms / sd_ms,
-      predicted_speedup=tau / (c * dec.gamma + 1), model_predicted_speedup=tau / (c * dec.gamma + v),
+      gamma=dec.gamma, prompts=len(prompts), ar_tokens=ar["tokens"], sd_tokens=sd["tokens"],
+      ar_ms_per_token=per_token(ar), sd_ms_per_token=per_token(sd),
+      speedup=per_token(ar) / per_token(sd),
+      ar_first_token_ms=1e3 * ar["first_s"] / len(prompts),
+      sd_first_token_ms=1e3 * sd["first_s"] / len(prompts),
+      ar_decode_ms_per_token=decode(ar), sd_decode_ms_per_token=decode(sd),
+      decode_speedup=decode(ar) / decode(sd),
+      predicted_speedup=tau / (c * dec.gamma + 1), model_predicted_speedup=model_predicted,
+      model_efficiency=decode(ar) / decode(sd) / model_predicted,
       block_efficiency=tau, acceptance_rate=alpha, cost_ratio=c, verify_cost_ratio=v,
-      target_step_ms=1e3 * t1, draft_step_ms=1e3 * d1, compile_s=ar_compile + sd_compile,
-      device=jax.devices()[0].device_kind)
+      target_step_ms=1e3 * t1, draft_step_ms=1e3 * d1,
+      compile_s=ar["compile_s"] + sd["compile_s"], device=jax.devices()[0].device_kind)
 
 
-COLUMNS = ("rule", "gamma", "ar_ms_per_token", "sd_ms_per_token", "speedup", "predicted_speedup",
-           "model_predicted_speedup", "block_efficiency", "acceptance_rate", "cost_ratio",
-           "verify_cost_ratio", "compile_s")
+COLUMNS = ("rule", "gamma", "ar_ms_per_token", "sd_ms_per_token", "speedup",
+           "ar_decode_ms_per_token", "sd_decode_ms_per_token", "decode_speedup",
+           "predicted_speedup", "model_predicted_speedup", "model_efficiency", "block_efficiency",
+           "acceptance_rate", "cost_ratio", "verify_cost_ratio", "compile_s")
 
 
 def table(records: list[dict]) -> str:

@@ -12,16 +12,20 @@ import jax.numpy as jnp
 from specjax.models import kv_cache
 
 
-def timed(fn, repeats: int = 5):
-  """Returns (result, compile_s, median_s): the first call (compile + run) is reported apart."""
+def once(fn):
+  """(result, seconds) of one call, waiting for the device."""
   start = time.perf_counter()
   result = jax.block_until_ready(fn())
-  first = time.perf_counter() - start
+  return result, time.perf_counter() - start
+
+
+def timed(fn, repeats: int = 5):
+  """Returns (result, compile_s, median_s): the first call (compile + run) is reported apart."""
+  result, first = once(fn)
   times = []
   for _ in range(repeats):
-    start = time.perf_counter()
-    result = jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
+    result, seconds = once(fn)
+    times.append(seconds)
   median = statistics.median(times)
   return result, max(first - median, 0.0), median
 
@@ -42,13 +46,38 @@ def _extend_loop(model, params, cache, width: int, steps: int):
   return acc
 
 
-def step_time(model, params, prompt, width: int, capacity: int, steps: int = 64,
-              repeats: int = 5) -> float:
-  """Seconds per model pass over `width` tokens after the prompt, at batch = prompt rows, with a
-  cache of `capacity` entries: the size decoding uses, since a pass's cost grows with it."""
+def alternating(calls: dict, repeats: int) -> dict:
+  """calls: {name: fn}. Compile each, then run them in turn `repeats` times, so that drift on a
+  shared machine hits all alike. Returns {name: (result, compile_s, median_s)}."""
+  first = {name: once(fn) for name, fn in calls.items()}
+  times = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, fn in calls.items():
+      times[name].append(once(fn)[1])
+  medians = {name: statistics.median(t) for name, t in times.items()}
+  return {name: (first[name][0], max(first[name][1] - medians[name], 0.0), medians[name])
+          for name in calls}
+
+
+def step_loop(model, params, prompt, width: int, capacity: int, steps: int = 64):
+  """A call running `steps` model passes over `width` tokens after the prompt, at batch = prompt
+  rows, with a cache of `capacity` entries: the size decoding uses, since a pass's cost grows
+  with it."""
   enc_len = prompt.tokens.shape[1] if model.is_encoder_decoder else 0
   prefix = 1 if model.is_encoder_decoder else prompt.tokens.shape[1]
   cache = model.init_cache(prompt.tokens.shape[0], max(capacity, prefix + width), enc_len)
   _, _, cache = model.prefill(params, prompt, cache)
-  _, _, median = timed(lambda: _extend_loop(model, params, cache, width, steps), repeats)
-  return median / steps
+  return functools.partial(_extend_loop, model, params, cache, width, steps)
+
+
+def step_times(loops: dict, repeats: int = 9, steps: int = 64) -> dict:
+  """loops: {name: (model, params, prompt, width, capacity)} -> {name: seconds per pass},
+  measured alternately (median of `repeats`)."""
+  calls = {name: step_loop(*spec, steps=steps) for name, spec in loops.items()}
+  return {name: r[2] / steps for name, r in alternating(calls, repeats).items()}
+
+
+def step_time(model, params, prompt, width: int, capacity: int, steps: int = 64,
+              repeats: int = 5) -> float:
+  """Seconds per model pass over `width` tokens (see step_loop)."""
+  return step_times({"pass": (model, params, prompt, width, capacity)}, repeats, steps)["pass"]

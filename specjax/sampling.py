@@ -9,6 +9,7 @@ other rows do (DESIGN.md §4).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +75,36 @@ def _top_p_mask(z: jax.Array, top_p: float) -> jax.Array:
   return jnp.where(logp < cutoff, -jnp.inf, z)
 
 
+_BLOCK = 64   # vocabulary entries per block of the two-level sampler
+
+
 def categorical(log_probs: jax.Array, keys: jax.Array) -> jax.Array:
-  """Sample one token per row: log_probs [B, V] (may hold -inf), keys [B] -> int32 [B]."""
-  draw = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))
-  return draw(keys, log_probs).astype(jnp.int32)
+  """Sample one token per row: log_probs [B, V] (may hold -inf), keys [B] -> int32 [B].
+
+  Inverse-CDF sampling in two levels: pick a block of _BLOCK entries with probability equal to its
+  mass, then an entry within it. Two uniforms per row instead of the V of Gumbel-max, which on
+  XLA:CPU cost more than a draft model's forward pass (~75 us for V = 2000 vs ~10 us here). The
+  law is the same chain rule exactly; zero-probability entries are never chosen.
+  """
+  lp = log_probs.astype(jnp.float32)
+  batch, vocab = lp.shape
+  blocks = -(-vocab // _BLOCK)
+  w = jnp.exp(lp - jnp.max(lp, axis=-1, keepdims=True))                  # [B, V] in [0, 1]
+  w = jnp.pad(w, ((0, 0), (0, blocks * _BLOCK - vocab))).reshape(batch, blocks, _BLOCK)
+  u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)   # [B, 2] in (0, 1]
+  block = _inverse_cdf(jnp.sum(w, axis=-1), u[:, 0])                     # [B]
+  inside = _inverse_cdf(jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0], u[:, 1])
+  return (block * _BLOCK + inside).astype(jnp.int32)
+
+
+def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+  """weights [B, N] >= 0, u [B] in (0, 1] -> first index i with w_i > 0 and cdf_i >= u * total.
+
+  cumsum adds left to right, so a zero weight repeats its predecessor's cdf and cannot be the first
+  to reach the threshold; `w > 0` keeps that true under any summation order."""
+  cdf = jnp.cumsum(weights, axis=-1)                                     # [B, N]
+  hit = (cdf >= (u * cdf[:, -1])[:, None]) & (weights > 0)
+  return jnp.argmax(hit, axis=-1).astype(jnp.int32)
 
 
 def is_key_batch(key: jax.Array) -> bool:
@@ -87,6 +114,7 @@ def is_key_batch(key: jax.Array) -> bool:
   return key.ndim == 2
 
 
+@functools.partial(jax.jit, static_argnums=1)   # eager vmap of fold_in costs ~3 ms per call
 def row_keys(key: jax.Array, batch: int) -> jax.Array:
   """Row b's key is fold_in(key, b): independent of the batch size and of the other rows."""
   return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))

@@ -74,3 +74,57 @@ def test_row_keys_are_fold_in_and_per_row_keys_pass_through():
 def test_bad_warp_is_refused(kwargs):
   with pytest.raises(ValueError):
     Warp(**kwargs)
+
+
+def _chisq_pvalue(tokens, probs):
+  observed = np.bincount(tokens, minlength=len(probs))
+  support = probs > 0
+  assert observed[~support].sum() == 0, "sampled a zero-probability token"
+  return stats.chisquare(observed[support], probs[support] * len(tokens)).pvalue
+
+
+def _law_with_holes(vocab=150, seed=4):
+  """A law over a vocabulary that is not a multiple of the sampler's block, with whole blocks and
+  single entries at probability zero (-inf log-prob), and one dominant entry in the last block."""
+  rng = np.random.default_rng(seed)
+  logits = rng.normal(size=vocab)
+  logits[rng.choice(vocab, 40, replace=False)] = -np.inf
+  logits[64:128] = -np.inf                          # a whole block with no mass
+  logits[vocab - 1] = 2.5
+  probs = np.exp(logits - logits[np.isfinite(logits)].max())
+  return jnp.asarray(logits, jnp.float32), probs / probs.sum()
+
+
+def test_categorical_matches_law_with_zero_blocks_and_ragged_vocab():
+  logits, probs = _law_with_holes()
+  rows = 60000
+  keys = sampling.row_keys(jax.random.PRNGKey(5), rows)
+  lp = jnp.tile(jax.nn.log_softmax(logits)[None], (rows, 1))
+  tokens = np.asarray(sampling.categorical(lp, keys))
+  assert _chisq_pvalue(tokens, probs) > 1e-3
+
+
+def test_categorical_law_test_rejects_a_sampler_that_ignores_block_mass():
+  """Power: picking the block uniformly among blocks with mass (a plausible bug in a two-level
+  sampler) must fail the same chi-square test."""
+  logits, probs = _law_with_holes()
+  rows = 60000
+  keys = sampling.row_keys(jax.random.PRNGKey(5), rows)
+  w = np.asarray(probs)
+  blocks = -(-len(w) // sampling._BLOCK)
+  padded = np.pad(w, (0, blocks * sampling._BLOCK - len(w))).reshape(blocks, -1)
+  flat = (padded.sum(1) > 0)[:, None] * padded / np.maximum(padded.sum(1, keepdims=True), 1e-30)
+  broken = (flat / flat.sum()).reshape(-1)[:len(w)]
+  lp = jnp.tile(jnp.log(jnp.asarray(broken, jnp.float32))[None], (rows, 1))
+  tokens = np.asarray(sampling.categorical(lp, keys))
+  assert _chisq_pvalue(tokens, probs) < 1e-6
+
+
+def test_categorical_one_hot_and_single_row_equals_batch():
+  lp = Warp(temperature=0.0).log_probs(_logits(shape=(5, 130)))
+  keys = sampling.row_keys(jax.random.PRNGKey(6), 5)
+  np.testing.assert_array_equal(sampling.categorical(lp, keys), np.argmax(np.asarray(lp), -1))
+  soft = jax.nn.log_softmax(_logits(shape=(5, 130)))
+  batch = np.asarray(sampling.categorical(soft, keys))
+  singles = [int(sampling.categorical(soft[i:i + 1], keys[i:i + 1])[0]) for i in range(5)]
+  np.testing.assert_array_equal(batch, singles)

@@ -196,7 +196,10 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
               q_logp=jnp.zeros((batch, K, vocab), jnp.float32),
               draft_len=jnp.zeros((batch,), jnp.int32), active=live,
               passes=live.astype(jnp.int32), cache=cache)
-  decide = functools.partial(_decide, rule, keys, s.rule_state)
+  # fold_in(key_b, step) for every step at once: one PRNG call per block instead of one per step.
+  step_keys = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(
+      jnp.arange(K, dtype=jnp.uint32)))(keys)                             # [B, K]
+  decide = functools.partial(_decide, rule, step_keys, s.rule_state)
 
   def body(d: _Drafts) -> _Drafts:
     prev = rule.to_draft_ids(jnp.take(d.tokens, d.step - 1, axis=1))[:, None]   # [B, 1]
@@ -205,7 +208,20 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
                   passes=d.passes + d.active)
     return decide(d)
 
+  if _fixed_length(rule) and K <= UNROLL_MAX_GAMMA:
+    # Every row drafts K tokens: unrolled, the loop costs ~25 us less per step on XLA:CPU.
+    return jax.lax.fori_loop(0, K - 1, lambda _, d: body(d), decide(d), unroll=True)
   return jax.lax.while_loop(lambda d: (d.step < K) & jnp.any(d.active), body, decide(d))
+
+
+UNROLL_MAX_GAMMA = 8   # longer fixed-length draft loops stay rolled (compile time)
+
+
+def _fixed_length(rule: base.Rule) -> bool:
+  """True when the rule keeps the base class's drafting hooks: every row drafts gamma tokens."""
+  cls = type(rule)
+  return (cls.keep_drafting is base.Rule.keep_drafting
+          and cls.stop_after is base.Rule.stop_after)
 
 
 def _draft_feed(rule, anchors: Anchors, s: SpecState):
@@ -237,11 +253,11 @@ def _draft_feed(rule, anchors: Anchors, s: SpecState):
   return start.astype(jnp.int32), feed.astype(jnp.int32), count
 
 
-def _decide(rule, keys, rule_state, d: _Drafts) -> _Drafts:
+def _decide(rule, step_keys, rule_state, d: _Drafts) -> _Drafts:
   """Ask the rule whether each row keeps drafting; propose draft `step` from q."""
   keep = d.active & rule.keep_drafting(d.q, d.step, rule_state)
-  step_keys = jax.vmap(lambda k: jax.random.fold_in(k, d.step))(keys)
-  token = rule.propose(d.q, step_keys).astype(jnp.int32)
+  keys = jnp.take(step_keys, jnp.minimum(d.step, step_keys.shape[1] - 1), axis=1)   # [B]
+  token = rule.propose(d.q, keys).astype(jnp.int32)
   stop = rule.stop_after(d.q, d.step, rule_state)
   return d.replace(step=d.step + 1, tokens=d.tokens.at[:, d.step].set(token),
                    q_logp=d.q_logp.at[:, d.step].set(d.q.astype(jnp.float32)),

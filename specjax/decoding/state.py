@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -100,6 +101,7 @@ class Generation:
   stats: SpecStats
 
 
+@functools.partial(jax.jit, static_argnums=1)   # eagerly, these few ops cost ~1 ms per call
 def finish(state: SpecState, max_new_tokens: int) -> Generation:
   """Cut the token buffer to max_new_tokens and zero everything past each row's length."""
   tokens = state.tokens[:, :max_new_tokens]

@@ -39,26 +39,29 @@ def parse_args(argv):
   return args, rest
 
 
-def time_decoding(decoders: dict, prompts, key, repeats) -> dict:
-  """Per decoder: median seconds of whole generations and of first tokens only (prefill of every
-  model + one token: the time to first token), summed over batch-1 runs of every prompt; tokens;
-  compile seconds; statistics."""
+def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = True) -> dict:
+  """Batch-1 runs of every prompt by every decoder, alternating (timing.alternating). Per
+  decoder: summed medians of whole generations (total_s) and, with first_token, of first tokens
+  alone (first_s: every model's prefill + one token, the time to first token); tokens; compile
+  seconds; aggregated statistics."""
   acc = {name: dict(total_s=0.0, first_s=0.0, tokens=0, compile_s=0.0, rows=[])
          for name in decoders}
   for i, text in enumerate(prompts):
-    prompt, draft_prompt = next(iter(decoders.values())).encode([text])
     k = jax.random.fold_in(key, i)
     calls = {}
     for name, dec in decoders.items():
-      first = dataclasses.replace(dec, max_new_tokens=1)
-      calls[name] = functools.partial(dec.generate, prompt, k, draft_prompt)
-      calls[name + "/first"] = functools.partial(first.generate, prompt, k, draft_prompt)
+      prompt, draft_prompt = dec.encode([text])
+      calls[(name, "all")] = functools.partial(dec.generate, prompt, k, draft_prompt)
+      if first_token:
+        first = dataclasses.replace(dec, max_new_tokens=1)
+        calls[(name, "first")] = functools.partial(first.generate, prompt, k, draft_prompt)
     timed = timing.alternating(calls, repeats)
     for name, a in acc.items():
-      gen, comp, median = timed[name]
+      gen, comp, median = timed[(name, "all")]
+      _, first_comp, first_median = timed.get((name, "first"), (None, 0.0, 0.0))
       a["total_s"] += median
-      a["first_s"] += timed[name + "/first"][2]
-      a["compile_s"] += comp + timed[name + "/first"][1]
+      a["first_s"] += first_median
+      a["compile_s"] += comp + first_comp
       a["tokens"] += int(gen.lengths[0])
       a["rows"] += runner.stats_rows(gen.stats, 1)
   for a in acc.values():

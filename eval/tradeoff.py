@@ -6,8 +6,8 @@
     python -m eval.tradeoff --config tiny.py --rule adaptive --output adasd
 
 Per setting: the task metric on --num_examples validation examples (decoded in batches of
---batch_size), then batch-1 speed on the first --timing_prompts of them (median of --repeats runs,
-after compilation): tokens/s and ms/token; alpha = accepted / verified, tau = emitted / blocks and
+--batch_size); then batch-1 speed on the first --timing_prompts of them, every setting timed in
+turn per prompt (median of --repeats runs, after compilation): tokens/s and ms/token; alpha = accepted / verified, tau = emitted / blocks and
 the draft share = accepted / emitted (FSD's %MD). Reference points: target only and draft only;
 for --rule fuzzy also the random-acceptance curve (fuzzy_random, --random_values). --rule adaptive
 compares AdaSD, its Gen-Only and Verify-Only ablations and exact SD (gamma from the config).
@@ -105,20 +105,29 @@ def decoder_for(point: Setting, base: runner.Decoder, draft_alone: runner.Decode
   return dataclasses.replace(base, rule=point.rule, gamma=point.gamma)
 
 
-def measure(dec: runner.Decoder, prompts: list[str], refs: list[str], metric: str,
-            quality_key: str, key, *, timing_prompts: int, repeats: int, batch_size: int) -> dict:
-  """Quality (batched) and batch-1 speed of one decoder."""
+def measure_quality(dec: runner.Decoder, prompts: list[str], refs: list[str], metric: str,
+                    quality_key: str, key, batch_size: int) -> dict:
+  """Task quality and decoding statistics of one decoder (batched)."""
   texts, rows = runner.generate_texts(dec, prompts, key, batch_size)
   scores = metrics.evaluate(metric, texts, refs)
   stats = runner.aggregate(rows)
-  seconds, tokens, compile_s, _ = time_decoding(dec, prompts[:timing_prompts], key, repeats)
   return {"quality": scores[quality_key], **scores,
-          "tokens_per_s": tokens / seconds if seconds else float("nan"),
-          "ms_per_token": 1e3 * seconds / tokens if tokens else float("nan"),
           "alpha": stats.get("acceptance_rate", float("nan")),
           "tau": stats.get("block_efficiency", float("nan")),
-          "draft_share": draft_share(stats), "emitted": stats.get("emitted", 0),
-          "compile_s": compile_s}
+          "draft_share": draft_share(stats), "emitted": stats.get("emitted", 0)}
+
+
+def measure_speed(decoders: list[runner.Decoder], prompts: list[str], key, repeats: int):
+  """Batch-1 tokens/s and ms/token of every decoder, all timed alternately on the same prompts
+  (so that machine drift does not favour one setting)."""
+  runs = time_decoding(dict(enumerate(decoders)), prompts, key, repeats, first_token=False)
+  out = []
+  for i in range(len(decoders)):
+    seconds, tokens = runs[i]["total_s"], runs[i]["tokens"]
+    out.append({"tokens_per_s": tokens / seconds if seconds else float("nan"),
+                "ms_per_token": 1e3 * seconds / tokens if tokens else float("nan"),
+                "compile_s": runs[i]["compile_s"]})
+  return out
 
 
 def draft_share(stats: dict) -> float:
@@ -172,14 +181,19 @@ def plot(records: list[dict], path: str, quality_key: str) -> bool:
 
 
 def sweep(points: list[tuple[Setting, runner.Decoder]], prompts, refs, metric, quality_key, key,
-          **timing) -> list[dict]:
-  records = []
+          *, timing_prompts: int, repeats: int, batch_size: int) -> list[dict]:
+  quality = []
   for point, dec in points:
-    records.append(record(point, measure(dec, prompts, refs, metric, quality_key, key, **timing)))
-    r = records[-1]
-    print(f"{r['curve']:>14} {str(r['value']):>6}: {quality_key} {r['quality']:.2f}, "
-          f"{r['tokens_per_s']:.1f} tok/s, alpha {r['alpha']:.3f}, tau {r['tau']:.2f}, "
-          f"draft share {r['draft_share']:.3f}", flush=True)
+    quality.append(measure_quality(dec, prompts, refs, metric, quality_key, key, batch_size))
+    q = quality[-1]
+    print(f"{point.curve:>14} {str(point.value):>6}: {quality_key} {q['quality']:.2f}, "
+          f"alpha {q['alpha']:.3f}, tau {q['tau']:.2f}, draft share {q['draft_share']:.3f}",
+          flush=True)
+  print(f"timing {len(points)} settings alternately on {timing_prompts} prompts ...", flush=True)
+  speed = measure_speed([dec for _, dec in points], prompts[:timing_prompts], key, repeats)
+  records = [record(point, {**q, **v}) for (point, _), q, v in zip(points, quality, speed)]
+  for r in records:
+    print(f"{r['curve']:>14} {str(r['value']):>6}: {r['tokens_per_s']:.1f} tok/s", flush=True)
   return records
 
 

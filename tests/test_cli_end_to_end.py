@@ -192,3 +192,22 @@ def test_latency_writes_documented_keys(latency):
 
 def test_latency_reports_the_configured_rule_name(latency):
   assert latency[1]["rule"] == "exact"
+
+
+@pytest.mark.slow   # ~100 s of compiles; the sweep itself is covered by test_fuzzy's toy-pair run
+def test_tradeoff_adaptive_writes_every_setting(pair):
+  """eval.tradeoff --rule adaptive: reference points, exact SD and the three AdaSD variants, each
+  with quality and an alternately timed speed, in CSV and JSON."""
+  out = pair["root"] / "ada"
+  (proc,) = _run(pair, _command(pair, "eval.tradeoff", f"--config.data.tokenizer={pair['spm']}",
+                                "--rule", "adaptive", "--num_examples", "4", "--batch_size", "2",
+                                "--timing_prompts", "1", "--repeats", "1", "--output", str(out)))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  records = json.loads(out.with_suffix(".json").read_text())["records"]
+  assert [r["curve"] for r in records] == ["target", "draft", "exact", "adasd", "gen_only",
+                                           "verify_only"]
+  for r in records:
+    assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, r
+    assert 0 <= r["quality"] <= 100, r
+  assert records[3]["gamma"] == 20 and 1 <= records[3]["tau"] <= 21
+  assert out.with_suffix(".csv").read_text().startswith("curve,")

@@ -22,11 +22,17 @@ Q = jnp.array([0.05, 0.1, 0.15, 0.2, 0.3, 0.2])
 N_ROWS = 100_000
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _one_step(rule, key, p=P):
   """K=1 block on fixed p, q for N_ROWS rows -> (n accepted [N], first emitted token [N])."""
+  return _one_step_jit(rule, key, p, Q)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _one_step_jit(rule, key, p, q):
+  # p and q are arguments, not constants: XLA would constant-fold the [N_ROWS, V] sampling math
+  # at compile time, which takes minutes.
   keys = sampling.row_keys(key, N_ROWS)
-  q_logp = jnp.broadcast_to(jnp.log(Q), (N_ROWS, 1, Q.size))
+  q_logp = jnp.broadcast_to(jnp.log(q), (N_ROWS, 1, q.size))
   p_logp = jnp.broadcast_to(jnp.log(p), (N_ROWS, 2, p.size))
   draft = rule.propose(q_logp[:, 0], sampling.fold_rows(keys, 7))
   n, nxt, _ = rule.verify(draft[:, None], jnp.ones(N_ROWS, jnp.int32), q_logp, p_logp, keys, ())

@@ -210,3 +210,38 @@ def test_greedy_sd_equals_greedy_target_decoding(kind, rule, gamma, draft):
   np.testing.assert_array_equal(got.tokens, want.tokens)
   if draft == "noisy":
     assert int(got.stats.accepted.sum()) > 0             # the drafts were sometimes right
+
+
+# ----------------------------------------------------------------------------- verify widths
+
+def test_verify_pass_widths_follow_the_drafting_hooks():
+  model, params, drafts = _models("decoder")
+  setup = lambda rule, gamma: speculative.Setup(
+      target=model, draft=model, rule=registry.get(rule), gamma=gamma, max_new=8,
+      warp=Warp(), eos=-1, max_len=32)
+  assert speculative.verify_widths(setup("exact", 20)) == (21,)
+  assert speculative.verify_widths(setup("adaptive", 20)) == (2, 4, 8, 16, 21)
+  assert speculative.verify_widths(setup("adaptive", 3)) == (2, 4)
+
+
+def test_narrow_verify_passes_give_the_tokens_of_full_width_passes(monkeypatch):
+  """AdaSD's windows end early; its verify pass then runs over the narrowest bucket that holds
+  the longest draft. The tokens, statistics and rule state equal those of full-width passes."""
+  model, params, drafts = _models("decoder")
+  draft_model, draft_params = drafts["small"]
+  prompt = Prompt.from_lists([[5, 6, 7], [9], [3, 4, 5, 6, 7, 8]], pad_to=8)
+  rule = registry.get("adaptive", tau_g_init=0.5)
+
+  def run():
+    jax.clear_caches()                                    # verify_widths is read when tracing
+    return speculative.generate(model, params, draft_model, draft_params, prompt,
+                                jax.random.PRNGKey(3), rule=rule, gamma=7, max_new_tokens=16,
+                                warp=Warp(), eos_id=None, max_len=40)
+
+  narrow = run()
+  st = narrow.stats
+  assert int(st.drafted.sum()) < 7 * int((st.blocks - 1).sum()) // 2     # short windows
+  monkeypatch.setattr(speculative, "verify_widths", lambda setup: (setup.gamma + 1,))
+  full = run()
+  np.testing.assert_array_equal(narrow.tokens, full.tokens)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, narrow.stats, full.stats)

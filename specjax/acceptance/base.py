@@ -106,9 +106,13 @@ def residual_log_probs(p_logp: jax.Array, q_logp: jax.Array) -> jax.Array:
 
 
 def verify_streams(keys: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
-  """Per-row keys [B] -> (uniforms [B, num] in [0, 1), keys [B] for the final sample)."""
-  uniforms = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 0), (num,)))(keys)
-  return uniforms, sampling.fold_rows(keys, 1)
+  """Per-row keys [B] -> (uniforms [B, num] in [0, 1), keys [B] for the final sample).
+
+  Draft j's uniform depends on (row key, j) only, not on num: a verify pass narrowed to the
+  drafts actually made (variable-length rules) draws the same numbers as a full one."""
+  positions = jnp.arange(num, dtype=jnp.uint32)
+  per_draft = lambda k: jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(k, j)))(positions)
+  return jax.vmap(per_draft)(sampling.fold_rows(keys, 0)), sampling.fold_rows(keys, 1)
 
 
 def rejection_verify(draft_tokens: jax.Array, draft_len: jax.Array, q_logp: jax.Array,

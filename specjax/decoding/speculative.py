@@ -4,7 +4,8 @@ Each block, for every row that is not done:
   1. draft: rewind the draft cache to len-2 and feed the last two committed tokens, then propose up
      to gamma tokens (a lax.while_loop; the rule's keep_drafting may stop a row early -> draft_len);
   2. verify: one target.extend over [pending token, d_0 .. d_{gamma-1}] -> p [B, gamma+1, V];
-     rule.verify -> n accepted and the next token;
+     rule.verify -> n accepted and the next token (rules whose drafts stop early verify at the
+     narrowest static width holding the longest draft: verify_widths);
   3. commit d_0 .. d_{n-1}, next at the row's own offset (cut at EOS and max_new_tokens) and roll
      the target cache back so that it holds the committed stream minus its last (pending) token.
 
@@ -153,16 +154,51 @@ def block(setup: Setup, target_params, draft_params, anchors: Anchors, s: SpecSt
   live = ~s.done                                                          # [B]
   block_keys = sampling.position_keys(s.key, s.lengths)
   d = _draft(setup, draft_params, anchors, s, live, sampling.fold_rows(block_keys, 0))
-  drafts = jnp.minimum(d.tokens, setup.target.vocab_size - 1)            # union's sentinel
-  feed = jnp.concatenate([s.last_two[:, 1:], drafts], axis=1)            # [B, K+1]
-  p_logits, _, tcache = setup.target.extend(target_params, feed, s.target_cache)
-  p_logp = setup.rule.p_log_probs(p_logits, setup.warp)                  # [B, K+1, V]
-  n, next_token, rule_state = setup.rule.verify(
-      d.tokens, d.draft_len, d.q_logp, p_logp, sampling.fold_rows(block_keys, 1), s.rule_state)
-  n = jnp.minimum(n.astype(jnp.int32), d.draft_len)
+  n, next_token, rule_state, tcache = _verify(setup, target_params, s, d, live,
+                                              sampling.fold_rows(block_keys, 1))
+  n = jnp.minimum(n, d.draft_len)
   s = s.replace(target_cache=tcache, draft_cache=d.cache,
                 rule_state=_select_rows(live, rule_state, s.rule_state))
-  return _commit(setup, anchors, s, live, d, n, next_token.astype(jnp.int32))
+  return _commit(setup, anchors, s, live, d, n, next_token)
+
+
+def verify_widths(setup: Setup) -> tuple[int, ...]:
+  """Static widths of the target's verify pass. Fixed-length rules: gamma+1. Rules whose drafts
+  stop early (AdaSD, window up to 20) get power-of-two buckets, so that a block whose longest
+  draft is 3 runs a 4-token pass, not a 21-token one (a pass's cost grows with its width on CPU)."""
+  full = setup.gamma + 1
+  if _fixed_length(setup.rule):
+    return (full,)
+  return tuple(sorted({min(2 ** i, full) for i in range(1, full.bit_length() + 1)}))
+
+
+def _verify(setup: Setup, params, s: SpecState, d: _Drafts, live, keys):
+  """One target pass over [pending token, d_0 .. d_{K-1}] and the rule's verdict.
+
+  Returns (n accepted [B], next token [B], rule_state, target cache). With several verify widths
+  the pass and the rule run at the narrowest width that holds every live row's drafts (a
+  lax.switch over static widths): row results do not depend on the width (the rule's uniforms are
+  per draft, see base.verify_streams), so batch rows still equal single-row runs.
+  """
+  drafts = jnp.minimum(d.tokens, setup.target.vocab_size - 1)            # union's sentinel
+  feed = jnp.concatenate([s.last_two[:, 1:], drafts], axis=1)            # [B, K+1]
+
+  def at_width(width):
+    def run(feed, cache):
+      p_logits, _, cache = setup.target.extend(params, feed[:, :width], cache)
+      p_logp = setup.rule.p_log_probs(p_logits, setup.warp)              # [B, width, V]
+      n, token, rule_state = setup.rule.verify(d.tokens[:, :width - 1], d.draft_len,
+                                               d.q_logp[:, :width - 1], p_logp, keys,
+                                               s.rule_state)
+      return n.astype(jnp.int32), token.astype(jnp.int32), rule_state, cache
+    return run
+
+  widths = verify_widths(setup)
+  if len(widths) == 1:
+    return at_width(widths[0])(feed, s.target_cache)
+  need = jnp.max(jnp.where(live, d.draft_len, 0)) + 1
+  index = jnp.searchsorted(jnp.asarray(widths), need)                    # first width >= need
+  return jax.lax.switch(index, [at_width(w) for w in widths], feed, s.target_cache)
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -196,10 +232,8 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
               q_logp=jnp.zeros((batch, K, vocab), jnp.float32),
               draft_len=jnp.zeros((batch,), jnp.int32), active=live,
               passes=live.astype(jnp.int32), cache=cache)
-  # fold_in(key_b, step) for every step at once: one PRNG call per block instead of one per step.
-  step_keys = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(
-      jnp.arange(K, dtype=jnp.uint32)))(keys)                             # [B, K]
-  decide = functools.partial(_decide, rule, step_keys, s.rule_state)
+  unrolled = _fixed_length(rule) and K <= UNROLL_MAX_GAMMA
+  decide = functools.partial(_decide, rule, _step_keys(keys, K, unrolled), s.rule_state)
 
   def body(d: _Drafts) -> _Drafts:
     prev = rule.to_draft_ids(jnp.take(d.tokens, d.step - 1, axis=1))[:, None]   # [B, 1]
@@ -208,7 +242,7 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
                   passes=d.passes + d.active)
     return decide(d)
 
-  if _fixed_length(rule) and K <= UNROLL_MAX_GAMMA:
+  if unrolled:
     # Every row drafts K tokens: unrolled, the loop costs ~25 us less per step on XLA:CPU.
     return jax.lax.fori_loop(0, K - 1, lambda _, d: body(d), decide(d), unroll=True)
   return jax.lax.while_loop(lambda d: (d.step < K) & jnp.any(d.active), body, decide(d))
@@ -253,11 +287,20 @@ def _draft_feed(rule, anchors: Anchors, s: SpecState):
   return start.astype(jnp.int32), feed.astype(jnp.int32), count
 
 
+def _step_keys(keys: jax.Array, gamma: int, all_steps: bool):
+  """step -> fold_in(keys[b], step) [B]. all_steps: derive every step's keys at once (one PRNG
+  call per block when all gamma steps run); else per step (variable-length drafts stop early)."""
+  if not all_steps:
+    return lambda step: jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+  table = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(
+      jnp.arange(gamma, dtype=jnp.uint32)))(keys)                         # [B, K]
+  return lambda step: jnp.take(table, jnp.minimum(step, gamma - 1), axis=1)
+
+
 def _decide(rule, step_keys, rule_state, d: _Drafts) -> _Drafts:
   """Ask the rule whether each row keeps drafting; propose draft `step` from q."""
   keep = d.active & rule.keep_drafting(d.q, d.step, rule_state)
-  keys = jnp.take(step_keys, jnp.minimum(d.step, step_keys.shape[1] - 1), axis=1)   # [B]
-  token = rule.propose(d.q, keys).astype(jnp.int32)
+  token = rule.propose(d.q, step_keys(d.step)).astype(jnp.int32)
   stop = rule.stop_after(d.q, d.step, rule_state)
   return d.replace(step=d.step + 1, tokens=d.tokens.at[:, d.step].set(token),
                    q_logp=d.q_logp.at[:, d.step].set(d.q.astype(jnp.float32)),

@@ -19,17 +19,6 @@ def once(fn):
   return result, time.perf_counter() - start
 
 
-def timed(fn, repeats: int = 5):
-  """Returns (result, compile_s, median_s): the first call (compile + run) is reported apart."""
-  result, first = once(fn)
-  times = []
-  for _ in range(repeats):
-    result, seconds = once(fn)
-    times.append(seconds)
-  median = statistics.median(times)
-  return result, max(first - median, 0.0), median
-
-
 @functools.partial(jax.jit, static_argnames=("model", "width", "steps"))
 def _extend_loop(model, params, cache, width: int, steps: int):
   """`steps` target/draft passes over `width` tokens at a fixed position (rolled back each time)."""
@@ -76,8 +65,3 @@ def step_times(loops: dict, repeats: int = 9, steps: int = 64) -> dict:
   calls = {name: step_loop(*spec, steps=steps) for name, spec in loops.items()}
   return {name: r[2] / steps for name, r in alternating(calls, repeats).items()}
 
-
-def step_time(model, params, prompt, width: int, capacity: int, steps: int = 64,
-              repeats: int = 5) -> float:
-  """Seconds per model pass over `width` tokens (see step_loop)."""
-  return step_times({"pass": (model, params, prompt, width, capacity)}, repeats, steps)["pass"]

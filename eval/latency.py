@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import statistics
 import sys
 
 import jax
@@ -39,16 +40,20 @@ def parse_args(argv):
   return args, rest
 
 
-def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = True) -> dict:
+def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = True,
+                  probes: dict | None = None) -> dict:
   """Batch-1 runs of every prompt by every decoder, alternating (timing.alternating). Per
   decoder: summed medians of whole generations (total_s) and, with first_token, of first tokens
   alone (first_s: every model's prefill + one token, the time to first token); tokens; compile
-  seconds; aggregated statistics."""
+  seconds; aggregated statistics. probes ({name: fn}) join every prompt's alternation, so that
+  what they measure shares the machine's state with the runs; each maps to its median seconds."""
   acc = {name: dict(total_s=0.0, first_s=0.0, tokens=0, compile_s=0.0, rows=[])
          for name in decoders}
+  probes = probes or {}
+  probe_s = {name: [] for name in probes}
   for i, text in enumerate(prompts):
     k = jax.random.fold_in(key, i)
-    calls = {}
+    calls = {("probe", name): fn for name, fn in probes.items()}
     for name, dec in decoders.items():
       prompt, draft_prompt = dec.encode([text])
       calls[(name, "all")] = functools.partial(dec.generate, prompt, k, draft_prompt)
@@ -64,26 +69,29 @@ def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = Tru
       a["compile_s"] += comp + first_comp
       a["tokens"] += int(gen.lengths[0])
       a["rows"] += runner.stats_rows(gen.stats, 1)
+    for name in probes:
+      probe_s[name].append(timed[("probe", name)][2])
   for a in acc.values():
     a["stats"] = runner.aggregate(a.pop("rows"))
-  return acc
+  return {**acc, **{name: statistics.median(t) for name, t in probe_s.items()}}
 
 
 def measure(dec: runner.Decoder, prompts, repeats: int, seed: int) -> dict:
-  key = jax.random.PRNGKey(seed)
-  runs = time_decoding({"ar": dataclasses.replace(dec, draft=None), "sd": dec}, prompts, key,
-                       repeats)
-  ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]
   probe, draft_probe = dec.encode(prompts[:1])
   cap = lambda model, p: (1 if model.is_encoder_decoder else p.tokens.shape[1]) + \
       dec.max_new_tokens + dec.gamma                       # the cache size decoding uses
   target, draft = dec.target, dec.draft
-  steps = timing.step_times({
-      "t1": (target.model, target.params, probe, 1, cap(target.model, probe)),
-      "tv": (target.model, target.params, probe, dec.gamma + 1, cap(target.model, probe)),
-      "d1": (draft.model, draft.params, draft_probe, 1, cap(draft.model, draft_probe))},
-      repeats=max(repeats, 9))
-  t1, tv, d1 = steps["t1"], steps["tv"], steps["d1"]
+  steps = 32   # passes per probe call
+  probes = {"t1": timing.step_loop(target.model, target.params, probe, 1,
+                                   cap(target.model, probe), steps),
+            "tv": timing.step_loop(target.model, target.params, probe, dec.gamma + 1,
+                                   cap(target.model, probe), steps),
+            "d1": timing.step_loop(draft.model, draft.params, draft_probe, 1,
+                                   cap(draft.model, draft_probe), steps)}
+  runs = time_decoding({"ar": dataclasses.replace(dec, draft=None), "sd": dec}, prompts,
+                       jax.random.PRNGKey(seed), repeats, probes=probes)
+  ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]
+  t1, tv, d1 = (runs[name] / steps for name in ("t1", "tv", "d1"))
   c, v = d1 / t1, tv / t1
   tau, alpha = stats.get("block_efficiency", 1.0), stats.get("acceptance_rate", 0.0)
   per_token = lambda r: 1e3 * r["total_s"] / r["tokens"]

@@ -57,11 +57,3 @@ def step_loop(model, params, prompt, width: int, capacity: int, steps: int = 64)
   cache = model.init_cache(prompt.tokens.shape[0], max(capacity, prefix + width), enc_len)
   _, _, cache = model.prefill(params, prompt, cache)
   return functools.partial(_extend_loop, model, params, cache, width, steps)
-
-
-def step_times(loops: dict, repeats: int = 9, steps: int = 64) -> dict:
-  """loops: {name: (model, params, prompt, width, capacity)} -> {name: seconds per pass},
-  measured alternately (median of `repeats`)."""
-  calls = {name: step_loop(*spec, steps=steps) for name, spec in loops.items()}
-  return {name: r[2] / steps for name, r in alternating(calls, repeats).items()}
-

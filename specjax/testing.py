@@ -59,10 +59,18 @@ class ToyAR:
     logits, hidden = self._logits(params, token, last)
     return logits[:, 0], hidden[:, 0], cache.replace(lengths=prompt.lengths.astype(jnp.int32))
 
-  def extend(self, params, tokens, cache):
+  def extend_entries(self, params, tokens, cache, select=None):
     positions = kv_cache.positions(cache.lengths, tokens.shape[1])
+    ids = tokens.astype(jnp.float32)[None, :, :, None, None]              # [1, B, T, 1, 1]
+    if select is not None:
+      tokens = jnp.take_along_axis(tokens, select[:, None], axis=1)
+      positions = jnp.take_along_axis(positions, select[:, None], axis=1)
     logits, hidden = self._logits(params, tokens, positions)
-    return logits, hidden, self._write(cache, tokens, cache.lengths)
+    return logits, hidden, (ids, jnp.zeros_like(ids))
+
+  def extend(self, params, tokens, cache, select=None):
+    logits, hidden, (k, v) = self.extend_entries(params, tokens, cache, select)
+    return logits, hidden, kv_cache.append(cache, k, v)
 
   def stored_tokens(self, cache, row: int) -> list[int]:
     """The token ids row `row` of the cache holds (its valid entries)."""
@@ -185,3 +193,20 @@ def _spread(params, factor: float = 4.0):
 
 __all__ = ["ToyAR", "enumerate_law", "draft_table", "disjoint_tables", "constant_table",
            "sequence_counts", "chi_square_pvalue", "tiny_decoder", "tiny_t5"]
+
+
+def check_extend_variants(model, params, tokens, cache, select) -> None:
+  """The model contract's extend variants agree with a plain extend over tokens [B,T]:
+  `select` [B] gives position select[b]'s logits and hidden, and extend_entries returns the
+  entries extend writes (at lengths[b] .. lengths[b]+T-1) while leaving the cache as it was."""
+  logits, hidden, written = model.extend(params, tokens, cache)
+  rows = np.arange(tokens.shape[0])
+  one_logits, one_hidden, one_cache = model.extend(params, tokens, cache, select)
+  np.testing.assert_allclose(one_logits[:, 0], np.asarray(logits)[rows, select], atol=1e-5)
+  np.testing.assert_allclose(one_hidden[:, 0], np.asarray(hidden)[rows, select], atol=1e-5)
+  np.testing.assert_array_equal(one_cache.k, written.k)
+  _, _, (k, v) = model.extend_entries(params, tokens, cache)
+  for b, start in enumerate(np.asarray(cache.lengths)):
+    span = slice(start, start + tokens.shape[1])
+    np.testing.assert_array_equal(k[:, b], written.k[:, b, span])
+    np.testing.assert_array_equal(v[:, b], written.v[:, b, span])

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from specjax.models import Prompt, score  # noqa: E402
+from specjax import testing  # noqa: E402
 from specjax.models import decoder, hf_import  # noqa: E402
 
 VOCAB, N_POS = 64, 32
@@ -144,6 +145,12 @@ def test_extend_block_equals_single_steps(ours):
   np.testing.assert_array_equal(step_cache.lengths, block_cache.lengths)
   for b, n in enumerate(np.asarray(block_cache.lengths)):
     np.testing.assert_allclose(step_cache.k[:, b, :n], block_cache.k[:, b, :n], atol=1e-5)
+
+
+def test_extend_select_and_entries(ours):
+  model, params = ours
+  _, _, cache = model.prefill(params, Prompt.from_lists(PROMPTS), model.init_cache(3, 16))
+  testing.check_extend_variants(model, params, _targets(2, 3), cache, np.array([2, 0, 1]))
 
 
 def _single_row(model, params, b: int, pieces: list[jnp.ndarray]):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import testing
 from specjax.models import Prompt, hf_import, kv_cache, score, t5
 
 torch = pytest.importorskip("torch")
@@ -193,6 +194,13 @@ def test_extend_block_equals_single_steps(gated):
   assert np.asarray(block_cache.lengths).tolist() == [5, 5, 5]
   np.testing.assert_array_equal(np.asarray(step_cache.lengths), np.asarray(block_cache.lengths))
   assert block_hidden.shape == (3, 4, 32)
+
+
+def test_extend_select_and_entries(gated):
+  model, params = gated
+  tokens = jnp.asarray(np.random.RandomState(4).randint(2, 64, size=(3, 4)))
+  _, _, cache = model.prefill(params, Prompt.from_lists(ROWS), model.init_cache(3, 8, 6))
+  testing.check_extend_variants(model, params, tokens, cache, np.array([3, 0, 1]))
 
 
 def test_rollback_and_ragged_rows_equal_single_row_runs(gated):

@@ -104,9 +104,16 @@ class CharModel:
     last = jnp.take_along_axis(logits, (prompt.lengths - 1)[:, None, None], axis=1)[:, 0]
     return last, None, cache.replace(lengths=prompt.lengths.astype(jnp.int32))
 
-  def extend(self, params, tokens, cache):
-    logits, cache = self._run(params, tokens, cache, cache.lengths)
-    return logits, None, cache
+  def extend_entries(self, params, tokens, cache, select=None):
+    logits, _ = self._run(params, tokens, cache, cache.lengths)
+    if select is not None:
+      logits = jnp.take_along_axis(logits, select[:, None, None], axis=1)    # [B, 1, V]
+    ids = tokens.astype(jnp.float32)[None, :, :, None, None]
+    return logits, None, (ids, jnp.zeros_like(ids))
+
+  def extend(self, params, tokens, cache, select=None):
+    logits, _, (k, v) = self.extend_entries(params, tokens, cache, select)
+    return logits, None, kv_cache.append(cache, k, v)
 
 
 def tables(seed: int, scale: float = 1.5):

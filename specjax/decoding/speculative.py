@@ -182,23 +182,31 @@ def _verify(setup: Setup, params, s: SpecState, d: _Drafts, live, keys):
   """
   drafts = jnp.minimum(d.tokens, setup.target.vocab_size - 1)            # union's sentinel
   feed = jnp.concatenate([s.last_two[:, 1:], drafts], axis=1)            # [B, K+1]
+  full = feed.shape[1]
 
   def at_width(width):
     def run(feed, cache):
-      p_logits, _, cache = setup.target.extend(params, feed[:, :width], cache)
+      p_logits, _, (k, v) = setup.target.extend_entries(params, feed[:, :width], cache)
       p_logp = setup.rule.p_log_probs(p_logits, setup.warp)              # [B, width, V]
       n, token, rule_state = setup.rule.verify(d.tokens[:, :width - 1], d.draft_len,
                                                d.q_logp[:, :width - 1], p_logp, keys,
                                                s.rule_state)
-      return n.astype(jnp.int32), token.astype(jnp.int32), rule_state, cache
+      pad = ((0, 0), (0, 0), (0, full - width), (0, 0), (0, 0))
+      k, v = jnp.pad(k, pad), jnp.pad(v, pad)                            # [L, B, K+1, H, Dh]
+      return n.astype(jnp.int32), token.astype(jnp.int32), rule_state, (k, v)
     return run
 
   widths = verify_widths(setup)
   if len(widths) == 1:
-    return at_width(widths[0])(feed, s.target_cache)
-  need = jnp.max(jnp.where(live, d.draft_len, 0)) + 1
-  index = jnp.searchsorted(jnp.asarray(widths), need)                    # first width >= need
-  return jax.lax.switch(index, [at_width(w) for w in widths], feed, s.target_cache)
+    n, token, rule_state, (k, v) = at_width(full)(feed, s.target_cache)
+  else:
+    # The branches only read the cache; written inside them it would be copied whole, twice.
+    need = jnp.max(jnp.where(live, d.draft_len, 0)) + 1
+    index = jnp.searchsorted(jnp.asarray(widths), need)                  # first width >= need
+    n, token, rule_state, (k, v) = jax.lax.switch(index, [at_width(w) for w in widths], feed,
+                                                  s.target_cache)
+  # Entries past a row's width are zeros past its drafts: _commit's rollback drops them.
+  return n, token, rule_state, kv_cache.append(s.target_cache, k, v)
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -224,9 +232,9 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
   rule, model, K = setup.rule, setup.draft, setup.gamma
   start, feed, count = _draft_feed(rule, anchors, s)
   cache = kv_cache.rollback(s.draft_cache, start)
-  logits, _, cache = model.extend(params, feed, cache)                    # [B, 2W, V_d]
+  logits, _, cache = model.extend(params, feed, cache, count - 1)         # [B, 1, V_d]
   cache = kv_cache.rollback(cache, start + count)
-  q = rule.q_log_probs(base.take_position(logits, count - 1), setup.warp)  # [B, V]
+  q = rule.q_log_probs(logits[:, 0], setup.warp)                         # [B, V]
   batch, vocab = q.shape
   d = _Drafts(step=jnp.int32(0), q=q, tokens=jnp.zeros((batch, K), jnp.int32),
               q_logp=jnp.zeros((batch, K, vocab), jnp.float32),

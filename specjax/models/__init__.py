@@ -6,7 +6,14 @@ A model is a frozen, hashable dataclass (so it can be a static argument of `jax.
   init_params(rng) -> params
   init_cache(batch, max_len, enc_len=0) -> KVCache
   prefill(params, prompt: Prompt, cache) -> (logits[B,V], hidden[B,D], cache)
-  extend(params, tokens[B,T], cache) -> (logits[B,T,V], hidden[B,T,D], cache)
+  extend_entries(params, tokens[B,T], cache, select=None) -> (logits[B,T,V], hidden[B,T,D], (k, v))
+  extend(params, tokens[B,T], cache, select=None) -> (logits[B,T,V], hidden[B,T,D], cache)
+
+`extend_entries` reads the cache and returns the block's new keys and values [L,B,T,H,Dh] without
+writing them; `extend` (ModelBase) is extend_entries followed by kv_cache.append. The split lets
+a caller that branches (lax.switch over verify widths) keep the cache write outside the branches:
+a cache passed through a branch that writes it is copied whole. `select` ([B] indices into T)
+keeps one position per row ([B,1,V] logits): the draft's two-token feed needs only the last.
 
 Decoder-only: `prefill` ingests the right-padded prompt and returns the next-token logits of each
 row (taken at position lengths[b]-1); afterwards `cache.lengths == prompt.lengths`.
@@ -17,10 +24,14 @@ ingests the decoder start token and returns the logits of the first output token
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax.models import kv_cache
 
 
 class ModelBase:
@@ -37,6 +48,15 @@ class ModelBase:
   @property
   def dtype(self):
     return jnp.dtype(self.config.dtype)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def extend(self, params, tokens: jax.Array, cache: kv_cache.KVCache,
+             select: jax.Array | None = None):
+    """tokens [B,T] at positions lengths[b]+t -> (logits[B,T,V] f32, hidden[B,T,D], cache with
+    the T new entries written and lengths + T). select [B]: only position select[b]'s logits
+    and hidden ([B,1,V], [B,1,D]), skipping the LM head elsewhere."""
+    logits, hidden, (k, v) = self.extend_entries(params, tokens, cache, select)
+    return logits, hidden, kv_cache.append(cache, k, v)
 
 
 @flax.struct.dataclass(kw_only=True)

@@ -170,7 +170,8 @@ class _Block(nn.Module):
 
 
 class _Transformer(nn.Module):
-  """tokens [B,T] at positions lengths[b]+t -> (final-normed hidden, logits f32, new k, new v).
+  """tokens [B,T] at positions lengths[b]+t -> (final-normed hidden, logits f32, and the block's
+  new keys and values [L,B,T,H,Dh], which the caller writes into the cache).
 
   `select` ([B] indices into T, or None) keeps only one position per row before the LM head, so
   that prefill does not compute [B,P,V] logits it throws away.
@@ -196,9 +197,6 @@ class _Transformer(nn.Module):
       x, k_i, v_i = _Block(cfg, name=f"layers_{i}")(x, k[i], v[i], lengths, mask)
       new_k.append(k_i)
       new_v.append(v_i)
-    # One write of every layer's new entries: per-layer writes copied the buffers (5x slower).
-    k = kvc.write_layers(k, jnp.stack(new_k), lengths)                         # [L, B, S, H, Dh]
-    v = kvc.write_layers(v, jnp.stack(new_v), lengths)
     hidden = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt,
                           name="ln_f")(x)                                      # [B, T, D]
     if select is not None:
@@ -209,7 +207,7 @@ class _Transformer(nn.Module):
       head = _Table("kernel", (cfg.d_model, cfg.vocab_size), 0.02, cfg.dtype,
                     name="lm_head")()                                          # [D, V]
       logits = jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
-    return hidden, logits, k, v
+    return hidden, logits, jnp.stack(new_k), jnp.stack(new_v)                   # k, v [L,B,T,H,Dh]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,21 +251,24 @@ class Decoder(ModelBase):
     masked, then overwritten), sets cache.lengths = prompt.lengths and returns
     (logits[B,V] f32, hidden[B,D]) at position lengths[b]-1."""
     kvc.check_capacity(prompt.tokens.shape[1], cache.capacity, "prompt")
-    start = jnp.zeros_like(cache.lengths)
+    cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
     hidden, logits, k, v = self.module.apply({"params": params}, prompt.tokens, cache.k, cache.v,
-                                             start, select=prompt.lengths - 1)
-    cache = cache.replace(k=k, v=v, lengths=prompt.lengths.astype(jnp.int32))
+                                             cache.lengths, select=prompt.lengths - 1)
+    cache = kvc.append(cache, k, v).replace(lengths=prompt.lengths.astype(jnp.int32))
     return logits, hidden, cache
 
   @functools.partial(jax.jit, static_argnums=0)
-  def extend(self, params: Params, tokens: jax.Array, cache: kvc.KVCache):
-    """tokens [B,T] at positions lengths[b]+t -> (logits[B,T,V] f32, hidden[B,T,D], cache with
-    lengths + T). Capacity (lengths + T <= S) is the caller's host-side check."""
+  def extend_entries(self, params: Params, tokens: jax.Array, cache: kvc.KVCache,
+                     select: jax.Array | None = None):
+    """tokens [B,T] at positions lengths[b]+t -> (logits[B,T,V] f32, hidden[B,T,D], (k, v)
+    [L,B,T,H,Dh]); the cache is read, not written. select [B]: logits and hidden of position
+    select[b] only ([B,1,V], [B,1,D]). Capacity (lengths + T <= S) is the caller's check."""
     kvc.check_capacity(tokens.shape[1], cache.capacity, "extend block")
     hidden, logits, k, v = self.module.apply({"params": params}, tokens, cache.k, cache.v,
-                                             cache.lengths)
-    cache = cache.replace(k=k, v=v, lengths=cache.lengths + tokens.shape[1])
-    return logits, hidden, cache
+                                             cache.lengths, select=select)
+    if select is not None:
+      hidden, logits = hidden[:, None], logits[:, None]
+    return logits, hidden, (k, v)
 
 
 # ---------------------------------------------------------------------------------------------

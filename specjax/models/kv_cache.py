@@ -69,19 +69,16 @@ def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Arra
   return buf
 
 
+def append(cache: KVCache, k: jax.Array, v: jax.Array) -> KVCache:
+  """Write the T new entries k, v [L,B,T,H,Dh] of row b at lengths[b] and advance lengths by T."""
+  return cache.replace(k=write_layers(cache.k, k, cache.lengths),
+                       v=write_layers(cache.v, v, cache.lengths),
+                       lengths=cache.lengths + k.shape[2])
+
+
 def positions(lengths: jax.Array, num_new: int) -> jax.Array:
   """Absolute positions of the next `num_new` tokens of each row: [B, T]."""
   return lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
-
-
-def self_attention_mask(lengths: jax.Array, num_new: int, capacity: int) -> jax.Array:
-  """[B, T, S] bool: query t of row b (at position lengths[b]+t) sees keys at positions <= its own.
-
-  Example: lengths [2], T=2, S=5 -> rows of the mask are [1,1,1,0,0] and [1,1,1,1,0].
-  """
-  query_pos = positions(lengths, num_new)                          # [B, T]
-  key_pos = jnp.arange(capacity, dtype=jnp.int32)                  # [S]
-  return key_pos[None, None, :] <= query_pos[:, :, None]
 
 
 class CacheOverflowError(ValueError):

@@ -114,15 +114,23 @@ def relative_position_bucket(rel: jax.Array, *, bidirectional: bool, num_buckets
   return buckets + jnp.where(rel < max_exact, rel, large)
 
 
-def _attend(q, k, v, mask, bias):
-  """q [B,T,H,Dh], k/v [B,S,H,Dh], mask [B,T,S] bool, bias [B|1,H,T,S] or None -> [B,T,H*Dh].
-  No 1/sqrt(Dh): T5 folds the scale into its initialisation."""
-  scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
-  if bias is not None:
-    scores = scores + bias
-  scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bhts,bshd->bthd", probs, v)                          # [B, T, H, Dh]
+def _attend(q, segments):
+  """q [B,T,H,Dh]; segments: (k, v [B,S_i,H,Dh], mask [B|1,T|1,S_i] bool, bias [B|1,H,T,S_i] or
+  None), attended under one softmax -> [B,T,H*Dh]. The decoder's self-attention passes the cache
+  (read only) and the block's own entries as two segments, so extend never copies the cache. No
+  1/sqrt(Dh): T5 folds the scale into its initialisation."""
+  low = jnp.finfo(jnp.float32).min
+  scores = []
+  for k, _, mask, bias in segments:
+    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+    s = s if bias is None else s + bias
+    scores.append(jnp.where(mask[:, None], s, low))
+  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)       # [B, H, T, sum S_i]
+  out, start = 0, 0
+  for k, v, _, _ in segments:
+    part = probs[..., start:start + k.shape[1]].astype(v.dtype)
+    out = out + jnp.einsum("bhts,bshd->bthd", part, v)                     # [B, T, H, Dh]
+    start += k.shape[1]
   return out.reshape(out.shape[:2] + (-1,))
 
 
@@ -143,8 +151,8 @@ class _Attention(nn.Module):
     """x [B,S,D] -> keys, values [B,S,H,Dh]."""
     return self._heads(self.key(x)), self._heads(self.value(x))
 
-  def __call__(self, x, k, v, mask, bias):
-    return self.out(_attend(self._heads(self.query(x)), k, v, mask, bias))
+  def __call__(self, x, segments):
+    return self.out(_attend(self._heads(self.query(x)), segments))
 
 
 class _Mlp(nn.Module):
@@ -177,7 +185,8 @@ class _EncoderLayer(nn.Module):
 
   def __call__(self, x, mask, bias):
     h = self.self_attn_norm(x)
-    x = x + self.self_attn(h, *self.self_attn.project_kv(h), mask, bias)
+    k, v = self.self_attn.project_kv(h)
+    x = x + self.self_attn(h, [(k, v, mask, bias)])
     return x + self.mlp(self.mlp_norm(x))
 
 
@@ -192,16 +201,15 @@ class _DecoderLayer(nn.Module):
   def cross_kv(self, enc_out):
     return self.cross_attn.project_kv(enc_out)
 
-  def __call__(self, x, layer_cache, lengths, self_mask, bias, cross_mask):
-    """layer_cache = (k_buf, v_buf [B,S,H,Dh], cross_k, cross_v [B,E,H,Dh]); returns the new
-    self-attention buffers with this block's T entries written at lengths[b]."""
+  def __call__(self, x, layer_cache, masks, biases, cross_mask):
+    """layer_cache = (k_buf, v_buf [B,S,H,Dh], cross_k, cross_v [B,E,H,Dh]), read only; masks and
+    biases: (cache entries, this block's entries). Returns x and the block's k, v [B,T,H,Dh]."""
     k_buf, v_buf, cross_k, cross_v = layer_cache
     h = self.self_attn_norm(x)
     k, v = self.self_attn.project_kv(h)
-    k_buf, v_buf = kvc.write_layer(k_buf, k, lengths), kvc.write_layer(v_buf, v, lengths)
-    x = x + self.self_attn(h, k_buf, v_buf, self_mask, bias)
-    x = x + self.cross_attn(self.cross_attn_norm(x), cross_k, cross_v, cross_mask, None)
-    return x + self.mlp(self.mlp_norm(x)), k_buf, v_buf
+    x = x + self.self_attn(h, [(k_buf, v_buf, masks[0], biases[0]), (k, v, masks[1], biases[1])])
+    x = x + self.cross_attn(self.cross_attn_norm(x), [(cross_k, cross_v, cross_mask, None)])
+    return x + self.mlp(self.mlp_norm(x)), k, v
 
 
 class _Stack(nn.Module):
@@ -243,17 +251,20 @@ class _Stack(nn.Module):
     return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
 
   def decode(self, x, cache: kvc.KVCache):
-    """x [B,T,D] embedded tokens at positions lengths[b]+t -> (hidden [B,T,D],
-    k, v [L,B,S,H,Dh])."""
+    """x [B,T,D] embedded tokens at positions lengths[b]+t -> (hidden [B,T,D], the block's new
+    k, v [L,B,T,H,Dh]); the cache is read, not written."""
     num_new, capacity = x.shape[1], cache.capacity
-    self_mask = kvc.self_attention_mask(cache.lengths, num_new, capacity)    # [B, T, S]
-    bias = self.bias(kvc.positions(cache.lengths, num_new), jnp.arange(capacity, dtype=jnp.int32))
-    cross_mask = jnp.broadcast_to(cache.enc_mask[:, None, :],
-                                  (x.shape[0], num_new, cache.enc_mask.shape[1]))
+    cached = jnp.arange(capacity, dtype=jnp.int32)
+    masks = (cached[None, None, :] < cache.lengths[:, None, None],            # [B, 1, S]
+             jnp.tril(jnp.ones((1, num_new, num_new), bool)))                  # [1, T, T]
+    own = jnp.arange(num_new, dtype=jnp.int32)      # relative positions are all the bias needs
+    biases = (self.bias(kvc.positions(cache.lengths, num_new), cached),       # [B, H, T, S]
+              self.bias(own[None], own))                                     # [1, H, T, T]
+    cross_mask = cache.enc_mask[:, None, :]                                    # [B, 1, E]
     ks, vs = [], []
     for i, layer in enumerate(self.layers):
       layer_cache = (cache.k[i], cache.v[i], cache.cross_k[i], cache.cross_v[i])
-      x, k, v = layer(x, layer_cache, cache.lengths, self_mask, bias, cross_mask)
+      x, k, v = layer(x, layer_cache, masks, biases, cross_mask)
       ks.append(k)
       vs.append(v)
     return self.final_norm(x), jnp.stack(ks), jnp.stack(vs)
@@ -273,9 +284,12 @@ class _T5Module(nn.Module):
     """tokens [B,E], enc_mask [B,E] -> cross keys, values [L,B,E,H,Dh]."""
     return self.decoder.cross_kv(self.encoder.encode(self.shared(tokens), enc_mask))
 
-  def decode(self, tokens, cache: kvc.KVCache):
-    """tokens [B,T] -> (logits [B,T,V] f32, hidden [B,T,D], k, v [L,B,S,H,Dh])."""
+  def decode(self, tokens, cache: kvc.KVCache, select=None):
+    """tokens [B,T] -> (logits [B,T,V] f32, hidden [B,T,D], new k, v [L,B,T,H,Dh]); select [B]
+    keeps position select[b] only (T = 1 in logits and hidden)."""
     hidden, k, v = self.decoder.decode(self.shared(tokens), cache)
+    if select is not None:
+      hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)         # [B, 1, D]
     if self.has_variable("params", "lm_head"):
       return self.lm_head(hidden), hidden, k, v
     scaled = hidden * (self.cfg.d_model ** -0.5) if self.cfg.scale_decoder_outputs else hidden
@@ -357,18 +371,19 @@ class T5(ModelBase):
     return logits[:, 0], hidden[:, 0], cache
 
   @functools.partial(jax.jit, static_argnums=0)
-  def extend(self, params: Params, tokens: jax.Array, cache: kvc.KVCache):
+  def extend_entries(self, params: Params, tokens: jax.Array, cache: kvc.KVCache,
+                     select: jax.Array | None = None):
     """tokens [B,T] at decoder positions lengths[b]+t -> (logits[B,T,V] f32, hidden[B,T,D]
-    (final-normed, before the output scaling), cache with lengths + T). Capacity
+    (final-normed, before the output scaling), the block's (k, v) [L,B,T,H,Dh]); the cache is
+    read, not written. select [B]: position select[b] only ([B,1,V], [B,1,D]). Capacity
     (lengths + T <= S) is the caller's host-side check."""
     kvc.check_capacity(tokens.shape[1], cache.capacity, "extend block")
     if cache.cross_k is None or cache.enc_mask is None:
       raise ValueError("T5.extend needs a cache from T5.init_cache(batch, max_len, enc_len) "
                        "filled by T5.prefill (it holds the encoder keys/values).")
     logits, hidden, k, v = self.module.apply({"params": params}, tokens.astype(jnp.int32), cache,
-                                             method=_T5Module.decode)
-    cache = cache.replace(k=k, v=v, lengths=cache.lengths + tokens.shape[1])
-    return logits, hidden, cache
+                                             select, method=_T5Module.decode)
+    return logits, hidden, (k, v)
 
 
 # ---------------------------------------------------------------------------------------------

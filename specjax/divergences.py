@@ -36,19 +36,24 @@ def _expect(p: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.einsum("...v,...v->...", p, x)
 
 
-def _kl_logp(lp: jax.Array, lq: jax.Array) -> jax.Array:
-  """KL(p || q) from log-probs; terms with p = 0 contribute exactly 0 (and zero gradient)."""
-  p = jnp.exp(lp)
+def _kl_logp(lp: jax.Array, lq: jax.Array, p: jax.Array | None = None) -> jax.Array:
+  """KL(p || q) from log-probs (p = exp(lp) when the caller has it); terms with p = 0 contribute
+  exactly 0 (and zero gradient)."""
+  p = jnp.exp(lp) if p is None else p
   support = p > 0
   diff = jnp.where(support, lp - jnp.where(support, lq, 0.0), 0.0)
   return _expect(p, diff)
 
 
-def _log_mix(lp: jax.Array, lq: jax.Array, beta) -> jax.Array:
-  """log(beta * p + (1 - beta) * q), stable when either side is -inf."""
+def _jsd_logp(lp: jax.Array, lq: jax.Array, beta: float) -> jax.Array:
+  """JSD[beta] from log-probs with one exp per side and one log of the mixture (a log-space
+  mixture costs two more transcendentals per entry). Mixture mass below the smallest normal
+  float is clamped: such entries contribute < 1e-36 to either KL."""
   if isinstance(beta, (int, float)) and beta in (0.0, 1.0):
-    return lp if beta == 1.0 else lq
-  return jnp.logaddexp(jnp.log(beta) + lp, jnp.log1p(-beta) + lq)
+    return jnp.zeros(lp.shape[:-1], lp.dtype)
+  p, q = jnp.exp(lp), jnp.exp(lq)
+  lm = jnp.log(jnp.maximum(beta * p + (1.0 - beta) * q, jnp.finfo(lp.dtype).tiny))
+  return beta * _kl_logp(lp, lm, p) + (1.0 - beta) * _kl_logp(lq, lm, q)
 
 
 def kl(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
@@ -66,9 +71,7 @@ def jsd_beta(p_logits: jax.Array, q_logits: jax.Array, beta: float = 0.5) -> jax
 
   DistillSpec §3.1 / GKD convention: JSD[beta] / beta -> KL(p || q) as beta -> 0.
   """
-  lp, lq = log_probs(p_logits), log_probs(q_logits)
-  lm = _log_mix(lp, lq, beta)
-  return beta * _kl_logp(lp, lm) + (1.0 - beta) * _kl_logp(lq, lm)
+  return _jsd_logp(log_probs(p_logits), log_probs(q_logits), beta)
 
 
 def js(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
@@ -85,7 +88,13 @@ def js_m(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
 
 def js_distance(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
   """sqrt(JS in base 2), in [0, 1] (AdaSD; equals scipy's jensenshannon(p, q, base=2))."""
-  return jnp.sqrt(jnp.maximum(js(p_logits, q_logits) / LN2, 0.0))
+  return js_distance_log_probs(log_probs(p_logits), log_probs(q_logits))
+
+
+def js_distance_log_probs(lp: jax.Array, lq: jax.Array) -> jax.Array:
+  """js_distance of inputs that are already normalized f32 log-probs (skips two log_softmax
+  passes: AdaSD runs this on every verified draft)."""
+  return jnp.sqrt(jnp.maximum(_jsd_logp(lp, lq, 0.5) / LN2, 0.0))
 
 
 def tv(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
@@ -96,7 +105,11 @@ def tv(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
 
 def entropy(logits: jax.Array) -> jax.Array:
   """Shannon entropy in nats, 0 <= H <= log V."""
-  lp = log_probs(logits)
+  return entropy_log_probs(log_probs(logits))
+
+
+def entropy_log_probs(lp: jax.Array) -> jax.Array:
+  """entropy of already normalized f32 log-probs (AdaSD asks it at every draft step)."""
   p = jnp.exp(lp)
   return -_expect(p, jnp.where(p > 0, lp, 0.0))
 

@@ -109,16 +109,18 @@ class Adaptive(base.Rule):
     if not self.entropy_stop:
       return jnp.zeros(q_logp.shape[:1], bool)
     tau_g, _ = self.thresholds(rule_state)
-    return (step + 1 >= self.min_window) & (dv.entropy(q_logp) > tau_g)
+    return (step + 1 >= self.min_window) & (dv.entropy_log_probs(q_logp) > tau_g)
 
   def decide(self, sd_accept, dist, ent, draft_len, s: AdaState) -> tuple[jax.Array, AdaState]:
     """One verification from the per-draft evidence [B, K]: the speculative test's outcome, the JS
-    distance D and the draft entropy H -> (n accepted [B], updated history)."""
+    distance D and the draft entropy H (or n -> H, asked once n is known) -> (n accepted [B],
+    updated history)."""
     _, tau_v = self.thresholds(s)
     accept = sd_accept
     if self.js_accept:
       accept = accept | (dist < tau_v[:, None])
     n = base.prefix_accepted(accept, draft_len)
+    ent = ent(n) if callable(ent) else ent
     j = jnp.arange(dist.shape[1])[None, :]
     kept = j < n[:, None]                                                # accepted drafts
     first_rejected = (j == n[:, None]) & (n < draft_len)[:, None]
@@ -139,8 +141,13 @@ class Adaptive(base.Rule):
     log_q = base.take_tokens(q_logp, draft_tokens)                       # [B, K]
     log_p = base.take_tokens(p_logp[:, :num], draft_tokens)
     sd_accept = jnp.log(uniforms) < log_p - log_q
-    dist = dv.js_distance(p_logp[:, :num], q_logp)                       # [B, K]
-    ent = dv.entropy(q_logp)                                             # [B, K]
+    dist = dv.js_distance_log_probs(p_logp[:, :num], q_logp)             # [B, K]
+    if self.record == "final":
+      # Only the first rejected draft's entropy is recorded: one row per batch row, not K.
+      ent = lambda n: jnp.broadcast_to(
+          dv.entropy_log_probs(base.take_position(q_logp, n))[:, None], dist.shape)
+    else:
+      ent = dv.entropy_log_probs(q_logp)                                 # [B, K]
     n, rule_state = self.decide(sd_accept, dist, ent, draft_len, rule_state)
     p_n, q_n = base.take_position(p_logp, n), base.take_position(q_logp, n)
     rejected = (n < draft_len)[:, None]

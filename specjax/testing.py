@@ -75,7 +75,7 @@ class ToyAR:
   def stored_tokens(self, cache, row: int) -> list[int]:
     """The token ids row `row` of the cache holds (its valid entries)."""
     n = int(cache.lengths[row])
-    return [int(t) for t in np.asarray(cache.k[0, row, :n, 0, 0])]
+    return [int(t) for t in np.asarray(cache.k[0, row, 0, :n, 0])]
 
 
 def enumerate_law(model: ToyAR, params, prompt: list[int], *, max_new_tokens: int, warp,
@@ -198,7 +198,8 @@ __all__ = ["ToyAR", "enumerate_law", "draft_table", "disjoint_tables", "constant
 def check_extend_variants(model, params, tokens, cache, select) -> None:
   """The model contract's extend variants agree with a plain extend over tokens [B,T]:
   `select` [B] gives position select[b]'s logits and hidden, and extend_entries returns the
-  entries extend writes (at lengths[b] .. lengths[b]+T-1) while leaving the cache as it was."""
+  entries extend writes (at lengths[b] .. lengths[b]+T-1; entries are [L,B,T,H,Dh], the cache
+  [L,B,H,S,Dh])."""
   logits, hidden, written = model.extend(params, tokens, cache)
   rows = np.arange(tokens.shape[0])
   one_logits, one_hidden, one_cache = model.extend(params, tokens, cache, select)
@@ -208,5 +209,5 @@ def check_extend_variants(model, params, tokens, cache, select) -> None:
   _, _, (k, v) = model.extend_entries(params, tokens, cache)
   for b, start in enumerate(np.asarray(cache.lengths)):
     span = slice(start, start + tokens.shape[1])
-    np.testing.assert_array_equal(k[:, b], written.k[:, b, span])
-    np.testing.assert_array_equal(v[:, b], written.v[:, b, span])
+    np.testing.assert_array_equal(np.swapaxes(k[:, b], 1, 2), written.k[:, b, :, span])
+    np.testing.assert_array_equal(np.swapaxes(v[:, b], 1, 2), written.v[:, b, :, span])

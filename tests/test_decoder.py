@@ -144,7 +144,7 @@ def test_extend_block_equals_single_steps(ours):
     np.testing.assert_allclose(hidden[:, 0], block_hidden[:, t], atol=1e-5, rtol=0)
   np.testing.assert_array_equal(step_cache.lengths, block_cache.lengths)
   for b, n in enumerate(np.asarray(block_cache.lengths)):
-    np.testing.assert_allclose(step_cache.k[:, b, :n], block_cache.k[:, b, :n], atol=1e-5)
+    np.testing.assert_allclose(step_cache.k[:, b, :, :n], block_cache.k[:, b, :, :n], atol=1e-5)
 
 
 def test_extend_select_and_entries(ours):

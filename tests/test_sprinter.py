@@ -262,8 +262,10 @@ def test_lazy_target_chunks_and_draft_state_equal_a_full_recompute(features):
     q_logits, h, _ = fresh(draft, dparams, full)
     for b in range(3):
       t = int(state.target_cache.lengths[b])
-      np.testing.assert_allclose(state.target_cache.k[:, b, :t], tfull.k[:, b, :t], atol=1e-4)
-      np.testing.assert_allclose(state.target_cache.v[:, b, :t], tfull.v[:, b, :t], atol=1e-4)
+      np.testing.assert_allclose(state.target_cache.k[:, b, :, :t], tfull.k[:, b, :, :t],
+                                 atol=1e-4)
+      np.testing.assert_allclose(state.target_cache.v[:, b, :, :t], tfull.v[:, b, :, :t],
+                                 atol=1e-4)
     np.testing.assert_allclose(state.q_logp, Warp().log_probs(q_logits), atol=1e-4)
     np.testing.assert_allclose(state.hidden, h, atol=1e-4)
   assert int(state.stats.target_calls.sum()) > 0

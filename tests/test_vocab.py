@@ -92,7 +92,7 @@ class CharModel:
   def _run(self, params, tokens, cache, start):
     ids = tokens.astype(jnp.float32)[None, :, :, None, None]
     k = jax.vmap(kv_cache.write_layer, in_axes=(0, 0, None))(cache.k, ids, start)
-    stored = k[0, :, :, 0, 0].astype(jnp.int32)                           # [B, S]
+    stored = k[0, :, 0, :, 0].astype(jnp.int32)                           # [B, S]
     pos = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     prev = jnp.take_along_axis(stored, jnp.maximum(pos - 1, 0), axis=1)
     prev = jnp.where(pos == 0, self.vocab_size, prev)

@@ -113,7 +113,7 @@ class _Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, k_buf, v_buf, lengths, mask):
-    """x [B,T,D]; k_buf, v_buf [B,S,H,Dh] one layer of the cache (read only); mask = (old [B,1,S]
+    """x [B,T,D]; k_buf, v_buf [B,H,S,Dh] one layer of the cache (read only); mask = (old [B,1,S]
     cache entries < lengths, new [T,T] causal). Returns the output and this block's k, v
     [B,T,H,Dh]: the caller writes every layer's entries in one go (no per-layer buffer copies)."""
     cfg = self.cfg
@@ -127,14 +127,15 @@ class _Attention(nn.Module):
     v = dense(name="value")(x).reshape(batch, num_new, heads, head_dim)
     old_mask, new_mask = mask
     scale = 1.0 / math.sqrt(head_dim)
-    s_old = jnp.einsum("bthd,bshd->bhts", q, k_buf, preferred_element_type=jnp.float32) * scale
+    s_old = jnp.einsum("bthd,bhsd->bhts", q, k_buf, preferred_element_type=jnp.float32) * scale
     s_new = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
     low = jnp.finfo(jnp.float32).min
     scores = jnp.concatenate([jnp.where(old_mask[:, None], s_old, low),            # [B, H, T, S]
                               jnp.where(new_mask[None, None], s_new, low)], -1)    # + [B, H, T, T]
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    ctx = (jnp.einsum("bhts,bshd->bthd", probs[..., :k_buf.shape[1]], v_buf)
-           + jnp.einsum("bhts,bshd->bthd", probs[..., k_buf.shape[1]:], v))
+    cached = k_buf.shape[2]
+    ctx = (jnp.einsum("bhts,bhsd->bthd", probs[..., :cached], v_buf)
+           + jnp.einsum("bhts,bshd->bthd", probs[..., cached:], v))
     out = nn.Dense(cfg.d_model, dtype=dt, param_dtype=dt, name="out",
                    kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(
                        ctx.reshape(batch, num_new, heads * head_dim))                # [B, T, D]
@@ -190,7 +191,7 @@ class _Transformer(nn.Module):
     pos = kvc.positions(lengths, num_new)                                      # [B, T]
     x = (jnp.take(wte, tokens, axis=0, mode="clip")
          + jnp.take(wpe, pos, axis=0, mode="clip")).astype(dt)                  # [B, T, D]
-    mask = (jnp.arange(k.shape[2])[None, None, :] < lengths[:, None, None],     # [B, 1, S]
+    mask = (jnp.arange(k.shape[3])[None, None, :] < lengths[:, None, None],     # [B, 1, S]
             jnp.tril(jnp.ones((num_new, num_new), bool)))                      # [T, T]
     new_k, new_v = [], []
     for i in range(cfg.num_layers):

@@ -1,5 +1,11 @@
 """The explicit KV cache shared by every model: fixed buffers plus per-row lengths.
 
+Buffers are [L, B, H, S, Dh] (heads before positions): the attention dot products then have their
+batch axes (B, H) leading and contract or keep Dh last, which XLA:CPU runs without transposing
+the cache (the [L, B, S, H, Dh] layout cost a copy of every layer's keys and values per pass,
+half the attention time at S = 128). Entries handed to `append` are [L, B, T, H, Dh], the layout
+a model's projections produce.
+
 Row b holds `lengths[b]` valid entries. `extend` writes the T new keys/values of row b at
 positions lengths[b] .. lengths[b]+T-1 and advances `lengths`; entries past a row's length are
 stale, masked out of attention, and overwritten later. Rollback is therefore only
@@ -15,21 +21,21 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass(kw_only=True)
 class KVCache:
-  k: jax.Array                         # [L, B, S, H, Dh] self-attention keys
-  v: jax.Array                         # [L, B, S, H, Dh] self-attention values
+  k: jax.Array                         # [L, B, H, S, Dh] self-attention keys
+  v: jax.Array                         # [L, B, H, S, Dh] self-attention values
   lengths: jax.Array                   # [B] int32, valid entries per row
-  cross_k: jax.Array | None = None     # [L, B, E, H, Dh] encoder keys (T5 only)
-  cross_v: jax.Array | None = None     # [L, B, E, H, Dh] encoder values (T5 only)
+  cross_k: jax.Array | None = None     # [L, B, H, E, Dh] encoder keys (T5 only)
+  cross_v: jax.Array | None = None     # [L, B, H, E, Dh] encoder values (T5 only)
   enc_mask: jax.Array | None = None    # [B, E] bool, valid encoder positions (T5 only)
 
   @property
   def capacity(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
 
 def init_cache(*, layers: int, batch: int, max_len: int, heads: int, head_dim: int,
                dtype=jnp.float32) -> KVCache:
-  shape = (layers, batch, max_len, heads, head_dim)
+  shape = (layers, batch, heads, max_len, head_dim)
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                  lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -44,9 +50,11 @@ def rollback(cache: KVCache, lengths: jax.Array) -> KVCache:
 
 
 def write_layer(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
-  """Write new[b] ([T, H, Dh]) into buf[b] ([S, H, Dh]) at offset lengths[b]; buf is [B, S, H, Dh]."""
+  """Write new[b] ([T, H, Dh]) into buf[b] ([H, S, Dh]) at position lengths[b]; buf is
+  [B, H, S, Dh]."""
   def one(row_buf, row_new, start):
-    return jax.lax.dynamic_update_slice(row_buf, row_new.astype(row_buf.dtype), (start, 0, 0))
+    row_new = jnp.swapaxes(row_new, 0, 1).astype(row_buf.dtype)         # [H, T, Dh]
+    return jax.lax.dynamic_update_slice(row_buf, row_new, (0, start, 0))
   return jax.vmap(one)(buf, new, lengths)
 
 
@@ -54,7 +62,7 @@ ROWWISE_MAX_BATCH = 8
 
 
 def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
-  """write_layer for every layer at once: buf [L, B, S, H, Dh], new [L, B, T, H, Dh].
+  """write_layer for every layer at once: buf [L, B, H, S, Dh], new [L, B, T, H, Dh].
 
   Small batches (the latency-bound case) write row by row with scalar-offset
   dynamic_update_slice, which XLA performs in place inside the decoding loop; the batched form
@@ -63,9 +71,9 @@ def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Arra
   batch = buf.shape[1]
   if batch > ROWWISE_MAX_BATCH:
     return jax.vmap(write_layer, in_axes=(0, 0, None))(buf, new, lengths)
-  new = new.astype(buf.dtype)
+  new = jnp.swapaxes(new, 2, 3).astype(buf.dtype)                       # [L, B, H, T, Dh]
   for b in range(batch):
-    buf = jax.lax.dynamic_update_slice(buf, new[:, b:b + 1], (0, b, lengths[b], 0, 0))
+    buf = jax.lax.dynamic_update_slice(buf, new[:, b:b + 1], (0, b, 0, lengths[b], 0))
   return buf
 
 

@@ -115,22 +115,22 @@ def relative_position_bucket(rel: jax.Array, *, bidirectional: bool, num_buckets
 
 
 def _attend(q, segments):
-  """q [B,T,H,Dh]; segments: (k, v [B,S_i,H,Dh], mask [B|1,T|1,S_i] bool, bias [B|1,H,T,S_i] or
+  """q [B,T,H,Dh]; segments: (k, v [B,H,S_i,Dh], mask [B|1,T|1,S_i] bool, bias [B|1,H,T,S_i] or
   None), attended under one softmax -> [B,T,H*Dh]. The decoder's self-attention passes the cache
   (read only) and the block's own entries as two segments, so extend never copies the cache. No
   1/sqrt(Dh): T5 folds the scale into its initialisation."""
   low = jnp.finfo(jnp.float32).min
   scores = []
   for k, _, mask, bias in segments:
-    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum("bthd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
     s = s if bias is None else s + bias
     scores.append(jnp.where(mask[:, None], s, low))
   probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)       # [B, H, T, sum S_i]
   out, start = 0, 0
   for k, v, _, _ in segments:
-    part = probs[..., start:start + k.shape[1]].astype(v.dtype)
-    out = out + jnp.einsum("bhts,bshd->bthd", part, v)                     # [B, T, H, Dh]
-    start += k.shape[1]
+    part = probs[..., start:start + k.shape[2]].astype(v.dtype)
+    out = out + jnp.einsum("bhts,bhsd->bthd", part, v)                     # [B, T, H, Dh]
+    start += k.shape[2]
   return out.reshape(out.shape[:2] + (-1,))
 
 
@@ -150,6 +150,10 @@ class _Attention(nn.Module):
   def project_kv(self, x):
     """x [B,S,D] -> keys, values [B,S,H,Dh]."""
     return self._heads(self.key(x)), self._heads(self.value(x))
+
+  def project_kv_heads_first(self, x):
+    """x [B,S,D] -> keys, values [B,H,S,Dh]: the cache layout, which attention reads."""
+    return tuple(jnp.swapaxes(t, 1, 2) for t in self.project_kv(x))
 
   def __call__(self, x, segments):
     return self.out(_attend(self._heads(self.query(x)), segments))
@@ -185,7 +189,7 @@ class _EncoderLayer(nn.Module):
 
   def __call__(self, x, mask, bias):
     h = self.self_attn_norm(x)
-    k, v = self.self_attn.project_kv(h)
+    k, v = self.self_attn.project_kv_heads_first(h)
     x = x + self.self_attn(h, [(k, v, mask, bias)])
     return x + self.mlp(self.mlp_norm(x))
 
@@ -199,15 +203,16 @@ class _DecoderLayer(nn.Module):
     self.mlp_norm, self.mlp = _norm(self.cfg), _Mlp(self.cfg)
 
   def cross_kv(self, enc_out):
-    return self.cross_attn.project_kv(enc_out)
+    return self.cross_attn.project_kv_heads_first(enc_out)
 
   def __call__(self, x, layer_cache, masks, biases, cross_mask):
-    """layer_cache = (k_buf, v_buf [B,S,H,Dh], cross_k, cross_v [B,E,H,Dh]), read only; masks and
+    """layer_cache = (k_buf, v_buf [B,H,S,Dh], cross_k, cross_v [B,H,E,Dh]), read only; masks and
     biases: (cache entries, this block's entries). Returns x and the block's k, v [B,T,H,Dh]."""
     k_buf, v_buf, cross_k, cross_v = layer_cache
     h = self.self_attn_norm(x)
-    k, v = self.self_attn.project_kv(h)
-    x = x + self.self_attn(h, [(k_buf, v_buf, masks[0], biases[0]), (k, v, masks[1], biases[1])])
+    k, v = self.self_attn.project_kv(h)                                  # [B, T, H, Dh]
+    own = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
+    x = x + self.self_attn(h, [(k_buf, v_buf, masks[0], biases[0]), (*own, masks[1], biases[1])])
     x = x + self.cross_attn(self.cross_attn_norm(x), [(cross_k, cross_v, cross_mask, None)])
     return x + self.mlp(self.mlp_norm(x)), k, v
 
@@ -246,7 +251,7 @@ class _Stack(nn.Module):
     return self.final_norm(x)
 
   def cross_kv(self, enc_out):
-    """enc_out [B,E,D] -> cross keys, values [L,B,E,H,Dh]."""
+    """enc_out [B,E,D] -> cross keys, values [L,B,H,E,Dh]."""
     kv = [layer.cross_kv(enc_out) for layer in self.layers]
     return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
 
@@ -281,7 +286,7 @@ class _T5Module(nn.Module):
     self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32, param_dtype=dt)
 
   def encode_kv(self, tokens, enc_mask):
-    """tokens [B,E], enc_mask [B,E] -> cross keys, values [L,B,E,H,Dh]."""
+    """tokens [B,E], enc_mask [B,E] -> cross keys, values [L,B,H,E,Dh]."""
     return self.decoder.cross_kv(self.encoder.encode(self.shared(tokens), enc_mask))
 
   def decode(self, tokens, cache: kvc.KVCache, select=None):
@@ -345,7 +350,7 @@ class T5(ModelBase):
                        f"{enc_len}.")
     cache = kvc.init_cache(layers=cfg.num_decoder_layers, batch=batch, max_len=max_len,
                            heads=cfg.num_heads, head_dim=cfg.d_kv, dtype=self.dtype)
-    cross = jnp.zeros((cfg.num_decoder_layers, batch, enc_len, cfg.num_heads, cfg.d_kv), self.dtype)
+    cross = jnp.zeros((cfg.num_decoder_layers, batch, cfg.num_heads, enc_len, cfg.d_kv), self.dtype)
     return cache.replace(cross_k=cross, cross_v=cross, enc_mask=jnp.zeros((batch, enc_len), bool))
 
   @functools.partial(jax.jit, static_argnums=0)

@@ -153,13 +153,16 @@ def _spec(prompt, key, rule, gamma, max_new, draft=DRAFT, eos_id=0):
 
 
 def test_window_never_exceeds_twenty_drafts_with_a_larger_gamma():
-  """Draft == target: everything is accepted and tau_g stays inf, so every block drafts exactly
-  max_window = 20 although the loop allows gamma = 24."""
+  """Draft == target: everything is accepted and tau_g stays inf, so every block drafts
+  min(20, budget - 1) (§2: K = min(K_max, N_max - len - 1)) although the loop allows gamma = 24:
+  lengths 1 -> 22 -> 43 -> 50 with 20, 20 and 6 drafts."""
   gen = _spec(Prompt.from_lists([[1], [2, 3]]), jax.random.PRNGKey(0), registry.get("adaptive"),
               gamma=24, max_new=50, draft=TARGET, eos_id=None)
   st = gen.stats
-  np.testing.assert_array_equal(st.drafted, 20 * (st.blocks - 1))
+  np.testing.assert_array_equal(st.blocks, [4, 4])                     # the first token + 3
+  np.testing.assert_array_equal(st.drafted, [46, 46])
   np.testing.assert_array_equal(st.accepted, st.drafted)
+  np.testing.assert_array_equal(gen.lengths, [50, 50])
 
 
 def _pvalue(rule, n_rows=100_000):

@@ -14,7 +14,8 @@ The history lives in rule_state as running sums per row (reset per generate call
 prompt); only verified drafts are recorded: the accepted ones and the first rejected one.
 
 Window: the loop's gamma is the static maximum; keep_drafting stops a row after max_window (20)
-drafts. stop_after is asked after draft j is proposed from q_j: a draft whose entropy exceeds
+drafts, and the loop after max_new_tokens - generated - 1 (what a block can still commit besides
+its correction or bonus token). stop_after is asked after draft j is proposed from q_j: a draft whose entropy exceeds
 tau_g is offered, then drafting stops, as the paper (and HF stopping criteria) keep the stopping
 token; the first min_window drafts never stop the block.
 

@@ -240,8 +240,12 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
               q_logp=jnp.zeros((batch, K, vocab), jnp.float32),
               draft_len=jnp.zeros((batch,), jnp.int32), active=live,
               passes=live.astype(jnp.int32), cache=cache)
-  unrolled = _fixed_length(rule) and K <= UNROLL_MAX_GAMMA
-  decide = functools.partial(_decide, rule, _step_keys(keys, K, unrolled), s.rule_state)
+  fixed = _fixed_length(rule)
+  unrolled = fixed and K <= UNROLL_MAX_GAMMA
+  # Variable windows stop where nothing more could be committed: the block also emits a
+  # correction or bonus token (AdaSD's K = min(K_max, N_max - len - 1), papers/adasd.md §2).
+  budget = None if fixed else setup.max_new - s.lengths - 1               # [B]
+  decide = functools.partial(_decide, rule, _step_keys(keys, K, unrolled), s.rule_state, budget)
 
   def body(d: _Drafts) -> _Drafts:
     prev = rule.to_draft_ids(jnp.take(d.tokens, d.step - 1, axis=1))[:, None]   # [B, 1]
@@ -305,9 +309,12 @@ def _step_keys(keys: jax.Array, gamma: int, all_steps: bool):
   return lambda step: jnp.take(table, jnp.minimum(step, gamma - 1), axis=1)
 
 
-def _decide(rule, step_keys, rule_state, d: _Drafts) -> _Drafts:
-  """Ask the rule whether each row keeps drafting; propose draft `step` from q."""
+def _decide(rule, step_keys, rule_state, budget, d: _Drafts) -> _Drafts:
+  """Ask the rule whether each row keeps drafting (never past `budget` [B] drafts, if given);
+  propose draft `step` from q."""
   keep = d.active & rule.keep_drafting(d.q, d.step, rule_state)
+  if budget is not None:
+    keep = keep & (d.step < budget)
   token = rule.propose(d.q, step_keys(d.step)).astype(jnp.int32)
   stop = rule.stop_after(d.q, d.step, rule_state)
   return d.replace(step=d.step + 1, tokens=d.tokens.at[:, d.step].set(token),

@@ -15,9 +15,9 @@ prompt); only verified drafts are recorded: the accepted ones and the first reje
 
 Window: the loop's gamma is the static maximum; keep_drafting stops a row after max_window (20)
 drafts, and the loop after max_new_tokens - generated - 1 (what a block can still commit besides
-its correction or bonus token). stop_after is asked after draft j is proposed from q_j: a draft whose entropy exceeds
-tau_g is offered, then drafting stops, as the paper (and HF stopping criteria) keep the stopping
-token; the first min_window drafts never stop the block.
+its correction or bonus token). stop_after is asked after draft j is proposed from q_j: a draft
+whose entropy exceeds tau_g is offered, then drafting stops, as the paper (and HF stopping
+criteria) keep the stopping token; the first min_window drafts never stop the block.
 
 Ablations: js_accept=False is Gen-Only (tau_v = 0: exact SD with the entropy window, lossless);
 entropy_stop=False with max_window=5 is Verify-Only. tau_v_rule picks the paper's appendix
@@ -114,14 +114,20 @@ class Adaptive(base.Rule):
 
   def decide(self, sd_accept, dist, ent, draft_len, s: AdaState) -> tuple[jax.Array, AdaState]:
     """One verification from the per-draft evidence [B, K]: the speculative test's outcome, the JS
-    distance D and the draft entropy H (or n -> H, asked once n is known) -> (n accepted [B],
-    updated history)."""
+    distance D and the draft entropy H -> (n accepted [B], updated history)."""
+    n = self.accepted(sd_accept, dist, draft_len, s)
+    return n, self.record_history(n, sd_accept, dist, ent, draft_len, s)
+
+  def accepted(self, sd_accept, dist, draft_len, s: AdaState) -> jax.Array:
+    """n [B]: the leading drafts that pass the speculative test or have D < tau_v."""
     _, tau_v = self.thresholds(s)
     accept = sd_accept
     if self.js_accept:
       accept = accept | (dist < tau_v[:, None])
-    n = base.prefix_accepted(accept, draft_len)
-    ent = ent(n) if callable(ent) else ent
+    return base.prefix_accepted(accept, draft_len)
+
+  def record_history(self, n, sd_accept, dist, ent, draft_len, s: AdaState) -> AdaState:
+    """Add the verified drafts' D (accepted and first rejected) and H (first rejected) to s."""
     j = jnp.arange(dist.shape[1])[None, :]
     kept = j < n[:, None]                                                # accepted drafts
     first_rejected = (j == n[:, None]) & (n < draft_len)[:, None]
@@ -131,10 +137,9 @@ class Adaptive(base.Rule):
       acc_mask, rej_mask = kept, first_rejected
     total = lambda mask, x: jnp.sum(jnp.where(mask, x, 0.0), axis=1)
     count = lambda mask: jnp.sum(mask, axis=1).astype(jnp.int32)
-    s = AdaState(sum_d_acc=s.sum_d_acc + total(acc_mask, dist), n_acc=s.n_acc + count(acc_mask),
-                 sum_d_rej=s.sum_d_rej + total(rej_mask, dist),
-                 sum_h_rej=s.sum_h_rej + total(rej_mask, ent), n_rej=s.n_rej + count(rej_mask))
-    return n, s
+    return AdaState(sum_d_acc=s.sum_d_acc + total(acc_mask, dist), n_acc=s.n_acc + count(acc_mask),
+                    sum_d_rej=s.sum_d_rej + total(rej_mask, dist),
+                    sum_h_rej=s.sum_h_rej + total(rej_mask, ent), n_rej=s.n_rej + count(rej_mask))
 
   def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
     num = draft_tokens.shape[1]
@@ -143,14 +148,14 @@ class Adaptive(base.Rule):
     log_p = base.take_tokens(p_logp[:, :num], draft_tokens)
     sd_accept = jnp.log(uniforms) < log_p - log_q
     dist = dv.js_distance_log_probs(p_logp[:, :num], q_logp)             # [B, K]
+    n = self.accepted(sd_accept, dist, draft_len, rule_state)
+    p_n, q_n = base.take_position(p_logp, n), base.take_position(q_logp, n)
     if self.record == "final":
       # Only the first rejected draft's entropy is recorded: one row per batch row, not K.
-      ent = lambda n: jnp.broadcast_to(
-          dv.entropy_log_probs(base.take_position(q_logp, n))[:, None], dist.shape)
+      ent = jnp.broadcast_to(dv.entropy_log_probs(q_n)[:, None], dist.shape)
     else:
       ent = dv.entropy_log_probs(q_logp)                                 # [B, K]
-    n, rule_state = self.decide(sd_accept, dist, ent, draft_len, rule_state)
-    p_n, q_n = base.take_position(p_logp, n), base.take_position(q_logp, n)
+    rule_state = self.record_history(n, sd_accept, dist, ent, draft_len, rule_state)
     rejected = (n < draft_len)[:, None]
     law = jnp.where(rejected, base.residual_log_probs(p_n, q_n), p_n)
     return n, sampling.categorical(law, sample_keys), rule_state

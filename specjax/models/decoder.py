@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import ModelBase, Prompt
+from specjax.models import attention
 from specjax.models import kv_cache as kvc
 
 Params = Any
@@ -126,19 +127,11 @@ class _Attention(nn.Module):
     k = dense(name="key")(x).reshape(batch, num_new, heads, head_dim)
     v = dense(name="value")(x).reshape(batch, num_new, heads, head_dim)
     old_mask, new_mask = mask
-    scale = 1.0 / math.sqrt(head_dim)
-    s_old = jnp.einsum("bthd,bhsd->bhts", q, k_buf, preferred_element_type=jnp.float32) * scale
-    s_new = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    low = jnp.finfo(jnp.float32).min
-    scores = jnp.concatenate([jnp.where(old_mask[:, None], s_old, low),            # [B, H, T, S]
-                              jnp.where(new_mask[None, None], s_new, low)], -1)    # + [B, H, T, T]
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    cached = k_buf.shape[2]
-    ctx = (jnp.einsum("bhts,bhsd->bthd", probs[..., :cached], v_buf)
-           + jnp.einsum("bhts,bshd->bthd", probs[..., cached:], v))
+    segments = [(k_buf, v_buf, old_mask, None),                                  # the cache
+                (attention.heads_first(k), attention.heads_first(v), new_mask[None], None)]
+    ctx = attention.attend(q, segments, scale=1.0 / math.sqrt(head_dim))         # [B, T, H*Dh]
     out = nn.Dense(cfg.d_model, dtype=dt, param_dtype=dt, name="out",
-                   kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(
-                       ctx.reshape(batch, num_new, heads * head_dim))                # [B, T, D]
+                   kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(ctx)      # [B, T, D]
     return out, k, v
 
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import ModelBase, Prompt
+from specjax.models import attention
 from specjax.models import kv_cache as kvc
 
 Params = dict[str, Any]
@@ -114,26 +115,6 @@ def relative_position_bucket(rel: jax.Array, *, bidirectional: bool, num_buckets
   return buckets + jnp.where(rel < max_exact, rel, large)
 
 
-def _attend(q, segments):
-  """q [B,T,H,Dh]; segments: (k, v [B,H,S_i,Dh], mask [B|1,T|1,S_i] bool, bias [B|1,H,T,S_i] or
-  None), attended under one softmax -> [B,T,H*Dh]. The decoder's self-attention passes the cache
-  (read only) and the block's own entries as two segments, so extend never copies the cache. No
-  1/sqrt(Dh): T5 folds the scale into its initialisation."""
-  low = jnp.finfo(jnp.float32).min
-  scores = []
-  for k, _, mask, bias in segments:
-    s = jnp.einsum("bthd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
-    s = s if bias is None else s + bias
-    scores.append(jnp.where(mask[:, None], s, low))
-  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)       # [B, H, T, sum S_i]
-  out, start = 0, 0
-  for k, v, _, _ in segments:
-    part = probs[..., start:start + k.shape[2]].astype(v.dtype)
-    out = out + jnp.einsum("bhts,bhsd->bthd", part, v)                     # [B, T, H, Dh]
-    start += k.shape[2]
-  return out.reshape(out.shape[:2] + (-1,))
-
-
 class _Attention(nn.Module):
   cfg: T5Config
 
@@ -153,10 +134,10 @@ class _Attention(nn.Module):
 
   def project_kv_heads_first(self, x):
     """x [B,S,D] -> keys, values [B,H,S,Dh]: the cache layout, which attention reads."""
-    return tuple(jnp.swapaxes(t, 1, 2) for t in self.project_kv(x))
+    return tuple(attention.heads_first(t) for t in self.project_kv(x))
 
   def __call__(self, x, segments):
-    return self.out(_attend(self._heads(self.query(x)), segments))
+    return self.out(attention.attend(self._heads(self.query(x)), segments))
 
 
 class _Mlp(nn.Module):
@@ -211,7 +192,7 @@ class _DecoderLayer(nn.Module):
     k_buf, v_buf, cross_k, cross_v = layer_cache
     h = self.self_attn_norm(x)
     k, v = self.self_attn.project_kv(h)                                  # [B, T, H, Dh]
-    own = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
+    own = (attention.heads_first(k), attention.heads_first(v))
     x = x + self.self_attn(h, [(k_buf, v_buf, masks[0], biases[0]), (*own, masks[1], biases[1])])
     x = x + self.cross_attn(self.cross_attn_norm(x), [(cross_k, cross_v, cross_mask, None)])
     return x + self.mlp(self.mlp_norm(x)), k, v

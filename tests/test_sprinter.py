@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from specjax import sampling, testing
-from specjax.acceptance import registry
-from specjax.decoding import autoregressive, sequential
+from specjax.decoding import autoregressive
 from specjax.models import Prompt
+from specjax.sprinter import loop, verifier as vlib
 from specjax.sampling import Warp
 
 V, EOS = 4, 0
@@ -60,7 +60,7 @@ class RateVerifier:
 def _gen(verifier, a, prompt, key, *, model=BIGRAM, target=TARGET, draft=DRAFT, **kwargs):
   kwargs = {"threshold": 0.5, "gamma_max": 3, "max_new_tokens": 6, "warp": Warp(),
             "eos_id": EOS, **kwargs}
-  return sequential.generate(model, target, model, draft, verifier, {"a": jnp.asarray(a)},
+  return loop.generate(model, target, model, draft, verifier, {"a": jnp.asarray(a)},
                              prompt, key, **kwargs)
 
 
@@ -103,7 +103,7 @@ def test_one_step_law_for_a_given_accept_probability():
 
 def test_broken_residual_fails_the_same_test(monkeypatch):
   """Power: resampling from p instead of the residual must be detected."""
-  monkeypatch.setattr(sequential.base, "residual_log_probs", lambda p, q: p)
+  monkeypatch.setattr(loop.base, "residual_log_probs", lambda p, q: p)
   gen = _gen(TokenVerifier(), A_TOKEN, _many([1, 2]), jax.random.PRNGKey(0), max_new_tokens=3,
              threshold=0.4999)                                # another static setup: retrace
   table = general_law_table(TARGET["table"], DRAFT["table"], A_TOKEN)
@@ -247,14 +247,14 @@ def test_lazy_target_chunks_and_draft_state_equal_a_full_recompute(features):
   verifier = RateVerifier(features=features, hidden_size=draft.hidden_size)
   rows, width = [[3, 5, 7], [4], [9, 8, 7, 6, 5]], 24
   prompt = Prompt.from_lists(rows)
-  setup = sequential._validate(target, draft, verifier, prompt, threshold=0.5, gamma_max=3,
-                               max_new_tokens=10, warp=Warp(), eos_id=None, max_len=None)
+  setup = loop._validate(target, draft, verifier, prompt, threshold=0.5, gamma_max=3,
+                         max_new_tokens=10, warp=Warp(), eos_id=None, max_len=None)
   params = (tparams, dparams, {"a": jnp.float32(0.6)})
-  state, anchors = sequential._init_jit(setup, params, prompt,
-                                        sampling.row_keys(jax.random.PRNGKey(11), 3))
+  state, anchors = loop._init_jit(setup, params, prompt,
+                                  sampling.row_keys(jax.random.PRNGKey(11), 3))
   fresh = jax.jit(lambda m, p, pr: m.prefill(p, pr, m.init_cache(3, width)), static_argnums=0)
   for _ in range(10):
-    state = sequential._step_jit(setup, params, anchors, state)
+    state = loop._step_jit(setup, params, anchors, state)
     streams = [r + np.asarray(state.tokens[b, :int(state.lengths[b])]).tolist()
                for b, r in enumerate(rows)]
     full = Prompt.from_lists(streams, pad_to=width)
@@ -271,7 +271,7 @@ def test_lazy_target_chunks_and_draft_state_equal_a_full_recompute(features):
   assert int(state.stats.target_calls.sum()) > 0
 
 
-# ----------------------------------------------------------------------------- input / registry
+# ----------------------------------------------------------------------------- input
 
 def test_bad_gamma_max_and_verifier_size_are_refused():
   prompt = Prompt.from_lists(ROWS)
@@ -281,12 +281,8 @@ def test_bad_gamma_max_and_verifier_size_are_refused():
     _gen(PrevVerifier(hidden_size=7), np.ones(V), prompt, jax.random.PRNGKey(0))
 
 
-def test_sprinter_is_a_registered_rule_with_its_own_driver():
-  rule = registry.get("sprinter", verifier="runs/v", threshold=0.4, gamma_max=5)
-  assert isinstance(rule, sequential.Sprinter) and rule.gamma_max == 5
-  with pytest.raises(NotImplementedError, match="generate_with_rule"):
-    rule.verify(None, None, None, None, None, None)
-  with pytest.raises(ValueError, match="rule.verifier"):
-    sequential.generate_with_rule(registry.get("sprinter"), BIGRAM, TARGET, BIGRAM, DRAFT,
-                                  Prompt.from_lists(ROWS), jax.random.PRNGKey(0),
-                                  max_new_tokens=4, warp=Warp(), eos_id=EOS)
+def test_a_workdir_without_a_verifier_is_refused_with_its_path(tmp_path):
+  with pytest.raises(vlib.VerifierNotFoundError, match="no verifier in") as info:
+    vlib.load(tmp_path / "nothing")
+  assert info.value.path == tmp_path / "nothing" / "verifier.json"
+  assert isinstance(info.value, FileNotFoundError)

@@ -1,4 +1,5 @@
-"""SPRINTER's verifier: the model, the training data (sprinter.md §6.13), training and the CLI."""
+"""SPRINTER's verifier: the model, the training data (sprinter.md §6.13), training, and the
+config-driven run (train, save, load, decode)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import testing, verifier as vlib
-from specjax.acceptance import registry
-from specjax.decoding import sequential
+from specjax import testing
 from specjax.distill.data import MarkovSource
 from specjax.models import Prompt
 from specjax.sampling import Warp
+from specjax.sprinter import data as dlib, loop, train as tlib, verifier as vlib
 
 VOCAB = 48
 
@@ -31,8 +31,8 @@ def _dataset(pair, features="A", lam=1.2, sequences=16, cont_len=6):
   target, tparams, draft, dparams = pair
   src = MarkovSource(VOCAB, 8, prompt_len=5, target_len=cont_len, seed=0)
   batches = [src.batch(i) for i in range(sequences // 8)]
-  data = vlib.DataConfig(lam=lam, cont_len=cont_len, features=features)
-  ds = vlib.build_dataset(target, tparams, draft, dparams, batches, jax.random.PRNGKey(0),
+  data = dlib.DataConfig(lam=lam, cont_len=cont_len, features=features)
+  ds = dlib.build_dataset(target, tparams, draft, dparams, batches, jax.random.PRNGKey(0),
                           warp=Warp(), data=data, eos=1)
   return ds, batches
 
@@ -50,9 +50,9 @@ def test_auroc_and_rates():
   s, y = rng.random(300), rng.random(300) < 0.4
   s[::7] = 0.5                                                          # ties
   brute = np.mean([(a > b) + 0.5 * (a == b) for a in s[y] for b in s[~y]])
-  assert vlib.auroc(s, y) == pytest.approx(brute)
-  assert vlib.auroc(y.astype(float), y) == 1.0 and vlib.auroc(-y.astype(float), y) == 0.0
-  r = vlib.rates(np.array([0.9, 0.2, 0.7, 0.1]), np.array([1, 1, 0, 0]), 0.5)
+  assert tlib.auroc(s, y) == pytest.approx(brute)
+  assert tlib.auroc(y.astype(float), y) == 1.0 and tlib.auroc(-y.astype(float), y) == 0.0
+  r = tlib.rates(np.array([0.9, 0.2, 0.7, 0.1]), np.array([1, 1, 0, 0]), 0.5)
   assert (r["tpr"], r["fpr"], r["accept_rate"]) == (0.5, 0.5, 0.5)
 
 
@@ -85,12 +85,12 @@ def test_groups_are_balanced_and_text_group_follows_the_text(pair):
   for s in np.flatnonzero(seq_groups == 0):
     start = int(ds["prompt_len"][s])
     np.testing.assert_array_equal(ds["sequences"][s, start:start + 6], text[s])
-  rates = [vlib.labels_from(ds["log_ratio"], 0.0, lam).mean() for lam in (1.0, 1.2, 1.5)]
+  rates = [dlib.labels_from(ds["log_ratio"], 0.0, lam).mean() for lam in (1.0, 1.2, 1.5)]
   assert rates[0] <= rates[1] <= rates[2] and rates[2] > rates[0]
 
 
 def test_valid_positions_stop_at_eos_and_at_the_text_end():
-  valid = vlib.valid_positions(np.array([[5, 1, 7], [5, 6, 7]]), np.array([1, 0]),
+  valid = dlib.valid_positions(np.array([[5, 1, 7], [5, 6, 7]]), np.array([1, 0]),
                                np.array([3, 2]), eos=1)
   assert valid.tolist() == [[True, True, False, False], [True, True, True, False]]
 
@@ -102,14 +102,20 @@ def test_training_learns_a_separable_signal_and_stops_early():
   logit = x @ rng.normal(size=d) + 0.5 * rng.normal(size=n)
   ds = {"features": x, "labels": logit > 0.3, "seq": np.arange(n) // 10,
         "group": np.arange(n) // 10 % 4}
-  cfg = vlib.TrainConfig(learning_rate=3e-2, batch_size=128, max_epochs=100, patience=2)
-  params, m = vlib.train(vlib.Verifier(d), ds, cfg)
+  cfg = tlib.TrainConfig(learning_rate=3e-2, batch_size=128, max_epochs=100, patience=2)
+  params, m = tlib.train(vlib.Verifier(d), ds, cfg)
   assert m["test_auroc"] > 0.9 and m["test_tpr"] > m["test_fpr"]
   assert m["epochs"] < 100 and m["train"] + m["val"] + m["test"] == n
   assert 0.2 < m["positive_rate"] < 0.8
 
 
-def test_cli_trains_saves_and_decodes(tmp_path):
+def test_too_few_sequences_is_a_typed_error_with_the_counts():
+  with pytest.raises(tlib.TooFewSequencesError) as info:
+    tlib.split_by_sequence(np.array([0, 0, 1, 1]), tlib.TrainConfig())
+  assert (info.value.sequences, info.value.needed) == (2, 3)
+
+
+def test_run_from_config_trains_saves_and_decodes(tmp_path):
   cfg = tmp_path / "sprinter_test.py"
   cfg.write_text(textwrap.dedent(f"""
       import ml_collections as mlc
@@ -127,24 +133,25 @@ def test_cli_trains_saves_and_decodes(tmp_path):
             val_fraction=0.1, test_fraction=0.2, seed=0))
         return c
       """))
-  from train import verifier as cli
+  from specjax.app import builders, resolve, sprinter_train
+  from specjax.app.config import load_config
+  config = load_config(str(cfg))
   workdir = tmp_path / "run"
-  metrics = cli.main(["--config", str(cfg), "--workdir", str(workdir)])
+  metrics = sprinter_train.run_from_config(config, str(workdir))
   saved = json.loads((workdir / "metrics.json").read_text())
   for key in ("positive_rate", "positive_rate_mixed", "test_auroc", "test_tpr", "test_fpr"):
     assert key in saved and key in metrics
   assert saved["parameters"] == 17 and saved["examples"] > 64
   model, params, meta = vlib.load(str(workdir))
   assert model == vlib.Verifier(16) and meta["gamma_max"] == 4
-  from specjax.distill.trainer import build_model
-  from specjax.config import load_config
-  config = load_config(str(cfg))
-  target, tparams = build_model(config.target, "target", 0)
-  draft, dparams = build_model(config.draft, "draft", 1)
-  rule = registry.get("sprinter", verifier=str(workdir))
-  gen = sequential.generate_with_rule(rule, target, tparams, draft, dparams,
-                                      Prompt.from_lists([[2, 3, 4], [5]]), jax.random.PRNGKey(0),
-                                      max_new_tokens=6, warp=Warp(), eos_id=None)
+  target, tparams = resolve.build_model(builders.model_spec(config, "target"), 0)
+  draft, dparams = resolve.build_model(builders.model_spec(config, "draft"), 1)
+  threshold, gamma_max = vlib.decode_settings(meta)               # the saved defaults
+  assert (threshold, gamma_max) == (0.5, 4)
+  gen = loop.generate(target, tparams, draft, dparams, model, params,
+                      Prompt.from_lists([[2, 3, 4], [5]]), jax.random.PRNGKey(0),
+                      threshold=threshold, gamma_max=gamma_max, max_new_tokens=6, warp=Warp(),
+                      eos_id=None)
   assert gen.lengths.tolist() == [6, 6]
   st = gen.stats
   assert (np.asarray(st.target_calls) == np.asarray(st.rejections + st.forced)).all()

@@ -1,4 +1,6 @@
-"""SPRINTER (sprinter.md): sequential approximate verification, one jitted lax.while_loop.
+"""SPRINTER's decoding loop (sprinter.md): sequential approximate verification, one jitted
+lax.while_loop. The caller brings a loaded verifier (`specjax.sprinter.verifier.load`) and its
+params; this module never touches the disk.
 
 Each step, for every row that is not done:
   1. sample one draft token x ~ q (q comes from the draft pass over the last committed token);
@@ -30,14 +32,16 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import sampling
-from specjax.acceptance import base, registry
+from specjax.acceptance import base
 from specjax.decoding import autoregressive as ar
 from specjax.decoding.state import STAT_FIELDS, Generation, SpecStats, finish
 from specjax.models import Prompt
 from specjax.models import kv_cache
 
+# SprinterStats' counters beyond SpecStats (what a report lists for SPRINTER runs).
 EXTRA_FIELDS = ("target_calls", "rejections", "forced", "target_tokens", "batched_calls")
 
 
@@ -64,7 +68,6 @@ class SprinterStats(SpecStats):
     return cls(**{f: jnp.zeros((batch,), jnp.int32) for f in STAT_FIELDS + EXTRA_FIELDS})
 
   def totals(self) -> dict[str, int]:
-    import numpy as np
     return {f: int(np.sum(np.asarray(getattr(self, f)))) for f in STAT_FIELDS + EXTRA_FIELDS}
 
 
@@ -73,7 +76,8 @@ class Setup:
   """Everything static about one generation (the jit cache key)."""
   target: Any
   draft: Any
-  verifier: Any         # .features ("A" | "B"), .score(params, hidden[B,D], keys[B]) -> [B]
+  verifier: Any         # a Verifier, or any frozen object with .features ("A" | "B") and
+                        # .score(params, hidden[B, D], keys[B]) -> [B] (test verifiers)
   threshold: float
   cap: int              # consecutive verifier accepts before a forced target call
   width: int            # target chunk width: the most pending tokens a row can have
@@ -136,7 +140,7 @@ def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_
                      f"{target.vocab_size}: SPRINTER's token test needs a shared vocabulary")
   if getattr(verifier, "hidden_size", draft.hidden_size) != draft.hidden_size:
     raise ValueError(f"the verifier reads hidden states of size {verifier.hidden_size} but the "
-                     f"draft's are {draft.hidden_size}: train it on this draft (train.verifier)")
+                     f"draft's are {draft.hidden_size}: it was trained on another draft")
   if gamma_max is not None and (isinstance(gamma_max, bool) or
                                 not isinstance(gamma_max, numbers.Integral) or gamma_max < 0):
     raise ValueError(f"gamma_max (consecutive verifier accepts before a forced target call) "
@@ -286,39 +290,3 @@ def _commit(setup: Setup, s: SeqState, live, y, need) -> SeqState:
 
 _init_jit = jax.jit(init, static_argnums=0)
 _step_jit = jax.jit(step, static_argnums=0, donate_argnums=3)
-
-
-# -------------------------------------------------------------------------------- rule / runner
-
-@registry.register("sprinter")
-@dataclasses.dataclass(frozen=True)
-class Sprinter(base.Rule):
-  """`--config.rule.name=sprinter`: a marker rule whose hyperparameters drive `generate_with_rule`
-  (SPRINTER has its own loop; the block loop's verify() does not apply).
-
-  verifier: the workdir of `python -m train.verifier` (threshold / gamma_max < 0: take the
-  values saved there).
-  """
-  verifier: str = ""
-  threshold: float = -1.0
-  gamma_max: int = -1
-
-  def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
-    raise NotImplementedError("rule 'sprinter' runs its own loop: call "
-                              "specjax.decoding.sequential.generate_with_rule, not speculative")
-
-
-def generate_with_rule(rule: Sprinter, target, target_params, draft, draft_params,
-                       prompt: Prompt, key: jax.Array, *, max_new_tokens: int,
-                       warp: sampling.Warp, eos_id: int | None,
-                       max_len: int | None = None) -> Generation:
-  """What the runner calls for rule 'sprinter': load the verifier, then `generate`."""
-  if not rule.verifier:
-    raise ValueError("rule 'sprinter' needs --config.rule.verifier=WORKDIR (a train.verifier run)")
-  from specjax import verifier as verifier_lib
-  model, vparams, meta = verifier_lib.load(str(rule.verifier))
-  threshold = rule.threshold if rule.threshold >= 0 else float(meta.get("threshold", 0.5))
-  gamma_max = rule.gamma_max if rule.gamma_max >= 0 else int(meta.get("gamma_max", 8))
-  return generate(target, target_params, draft, draft_params, model, vparams, prompt, key,
-                  threshold=threshold, gamma_max=gamma_max, max_new_tokens=max_new_tokens,
-                  warp=warp, eos_id=eos_id, max_len=max_len)

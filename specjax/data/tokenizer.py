@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import pathlib
 import re
@@ -95,11 +96,18 @@ class Tokenizer:
 class HFTokenizer:
   """A Hugging Face tokenizer from a local checkpoint directory, with the `Tokenizer` interface.
 
-  `encode` adds no special tokens (the data sources add BOS/EOS themselves). Where the checkpoint
-  defines no pad token (GPT-2), `pad_id` falls back to `eos_id`; no BOS falls back to `eos_id` too.
+  `encode` adds no special tokens (the data sources add BOS/EOS themselves). Special ids come from
+  the checkpoint: the tokenizer's, else its generation_config.json's, else `eos_id` (GPT-2 defines
+  neither pad nor BOS). `eos_ids` are all the ids that end a text, the tokenizer's EOS first
+  (`eos_id`), then generation_config.json's `eos_token_id` (an int or a list): Qwen instruct ends a
+  turn with <|im_end|> and a text with <|endoftext|>, Llama 3 instruct with <|eot_id|> and
+  <|end_of_text|>.
   """
   path: str
   tok: object = dataclasses.field(repr=False)
+  eos_ids: tuple[int, ...]
+  bos_id: int
+  pad_id: int
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> "HFTokenizer":
@@ -108,10 +116,15 @@ class HFTokenizer:
       raise FileNotFoundError(f"no Hugging Face checkpoint directory at {path}: pass a local "
                               "directory holding tokenizer.json / tokenizer_config.json")
     tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if tok.eos_token_id is None:
-      raise ValueError(f"the tokenizer in {path} defines no EOS token; set eos_token in its "
-                       "tokenizer_config.json")
-    return cls(path=str(path), tok=tok)
+    generation = _generation_config(path)
+    candidates = [tok.eos_token_id, *_id_list(generation.get("eos_token_id"))]
+    eos_ids = tuple(dict.fromkeys(i for i in candidates if i is not None))   # unique, in order
+    if not eos_ids:
+      raise ValueError(f"the checkpoint in {path} defines no EOS token; set eos_token in its "
+                       "tokenizer_config.json or eos_token_id in its generation_config.json")
+    return cls(path=str(path), tok=tok, eos_ids=eos_ids,
+               bos_id=_first_id(tok.bos_token_id, generation.get("bos_token_id"), eos_ids[0]),
+               pad_id=_first_id(tok.pad_token_id, generation.get("pad_token_id"), eos_ids[0]))
 
   @property
   def vocab_size(self) -> int:
@@ -119,15 +132,7 @@ class HFTokenizer:
 
   @property
   def eos_id(self) -> int:
-    return self.tok.eos_token_id
-
-  @property
-  def pad_id(self) -> int:
-    return self.eos_id if self.tok.pad_token_id is None else self.tok.pad_token_id
-
-  @property
-  def bos_id(self) -> int:
-    return self.eos_id if self.tok.bos_token_id is None else self.tok.bos_token_id
+    return self.eos_ids[0]
 
   @property
   def unk_id(self) -> int | None:
@@ -145,6 +150,33 @@ class HFTokenizer:
 
   def piece_to_id(self, piece: str) -> int:
     return self.tok.convert_tokens_to_ids(piece)
+
+  def apply_chat_template(self, user_text: str) -> str:
+    """One user turn in the checkpoint's chat format, ending where the assistant's reply starts:
+    the text to `encode` (its special tokens are in the text, so none are added again)."""
+    if not getattr(self.tok, "chat_template", None):
+      raise ValueError(f"the tokenizer in {self.path} has no chat template (chat_template in "
+                       "tokenizer_config.json or chat_template.jinja): use an instruct "
+                       "checkpoint or pass the prompt as plain text")
+    return self.tok.apply_chat_template([{"role": "user", "content": user_text}],
+                                        add_generation_prompt=True, tokenize=False)
+
+
+def _generation_config(path: str | os.PathLike) -> dict:
+  """The checkpoint's generation_config.json ({} when it has none)."""
+  file = pathlib.Path(path) / "generation_config.json"
+  return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _first_id(*ids: int | None) -> int:
+  return next(i for i in ids if i is not None)
+
+
+def _id_list(value) -> list[int]:
+  """An HF token-id field: None, an int or a list of ints."""
+  if value is None:
+    return []
+  return [int(i) for i in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 def train_sentencepiece(texts: Iterable[str], path: str | os.PathLike, *,

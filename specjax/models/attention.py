@@ -1,9 +1,14 @@
-"""Attention over the KV cache and a block's own entries, shared by the decoder and T5.
+"""Attention over the KV cache and a block's own entries, shared by the decoder, T5 and Llama.
 
 Keys and values come in segments (the cache, read only, then the block's new entries) attended
 under one softmax, so that a pass never writes the cache before attending to it: the caller
 writes every layer's new entries once, after the stack (kv_cache.append). All segments are
-heads-first [B, H, S_i, Dh], the cache's layout (see kv_cache).
+heads-first [B, Hkv, S_i, Dh], the cache's layout (see kv_cache).
+
+Grouped-query attention: the segments may hold fewer heads (Hkv) than the queries (H); query
+head h reads key/value head h // (H / Hkv), as Hugging Face's `repeat_kv`. The queries are
+grouped [B, T, Hkv, G, Dh] rather than the keys repeated, so the cache is read as it lies
+(Hkv = H is plain multi-head attention, G = 1).
 """
 
 from __future__ import annotations
@@ -12,24 +17,29 @@ import jax
 import jax.numpy as jnp
 
 
-def attend(q: jax.Array, segments, scale: float | None = None) -> jax.Array:
-  """q [B,T,H,Dh]; segments: (k, v [B,H,S_i,Dh], mask [B|1,T|1,S_i] bool, bias [B|1,H,T,S_i] or
-  None); scale multiplies the scores (None: 1, as T5, which folds it into its initialisation)
-  -> [B,T,H*Dh]."""
+def attend(q: jax.Array, segments, scale: float | None = None, precision=None) -> jax.Array:
+  """q [B,T,H,Dh]; segments: (k, v [B,Hkv,S_i,Dh], mask [B|1,T|1,S_i] bool, bias [B|1,H,T,S_i]
+  or None); scale multiplies the scores (None: 1, as T5, which folds it into its initialisation);
+  precision: of both products (None: the backend default) -> [B,T,H*Dh]."""
+  batch, num_new, heads, head_dim = q.shape
+  kv_heads = segments[0][0].shape[1]
+  q = q.reshape(batch, num_new, kv_heads, heads // kv_heads, head_dim)       # [B, T, Hkv, G, Dh]
   low = jnp.finfo(jnp.float32).min
   scores = []
   for k, _, mask, bias in segments:
-    s = jnp.einsum("bthd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum("btkgd,bksd->bkgts", q, k, precision=precision,
+                   preferred_element_type=jnp.float32)                       # [B, Hkv, G, T, S_i]
     s = s if scale is None else s * scale
-    s = s if bias is None else s + bias
-    scores.append(jnp.where(mask[:, None], s, low))
-  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)       # [B, H, T, sum S_i]
+    if bias is not None:                      # [B|1, H, T, S_i] grouped as the scores
+      s = s + bias.reshape(bias.shape[:1] + (kv_heads, -1) + bias.shape[2:])
+    scores.append(jnp.where(mask[:, None, None], s, low))
+  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)       # [B, Hkv, G, T, sum S_i]
   out, start = 0, 0
   for k, v, _, _ in segments:
     part = probs[..., start:start + k.shape[2]].astype(v.dtype)
-    out = out + jnp.einsum("bhts,bhsd->bthd", part, v)                     # [B, T, H, Dh]
+    out = out + jnp.einsum("bkgts,bksd->btkgd", part, v, precision=precision)  # [B, T, Hkv, G, Dh]
     start += k.shape[2]
-  return out.reshape(out.shape[:2] + (-1,))
+  return out.reshape(batch, num_new, heads * head_dim)
 
 
 def heads_first(x: jax.Array) -> jax.Array:

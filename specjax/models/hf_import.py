@@ -23,8 +23,8 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 
 def _registry():
-  from specjax.models import decoder, t5
-  return {mt: mod for mod in (t5, decoder) for mt in mod.MODEL_TYPES}
+  from specjax.models import decoder, llama, t5
+  return {mt: mod for mod in (t5, decoder, llama) for mt in mod.MODEL_TYPES}
 
 
 def resolve_checkpoint(name_or_dir: str, override_flag: str = "--config.target.checkpoint") -> Path:

@@ -14,8 +14,6 @@ tau/(c*gamma+1) (the paper's) and tau/(c*gamma+v) (the cost model with v).
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import functools
 import json
 import statistics
@@ -24,20 +22,19 @@ import sys
 import jax
 
 from eval import timing
-from specjax import runner
-from specjax.config import load_config
+from specjax.app import builders, cli, methods, runner
+from specjax.app.config import load_config
+from specjax.models import prompting
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(prog="python -m eval.latency", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.parser("python -m eval.latency", __doc__)
   p.add_argument("--config", default="tiny.py")
   p.add_argument("--gamma", default="", help="comma-separated gammas to sweep (default: config)")
   p.add_argument("--num_prompts", type=int, default=8)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--output_json")
-  args, rest = p.parse_known_args(argv)
-  return args, rest
+  return cli.parse(p, argv)
 
 
 def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = True,
@@ -54,12 +51,12 @@ def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = Tru
   for i, text in enumerate(prompts):
     k = jax.random.fold_in(key, i)
     calls = {("probe", name): fn for name, fn in probes.items()}
-    for name, dec in decoders.items():
-      prompt, draft_prompt = dec.encode([text])
-      calls[(name, "all")] = functools.partial(dec.generate, prompt, k, draft_prompt)
+    for name, method in decoders.items():
+      prompts_ = method.prepare([text])
+      calls[(name, "all")] = functools.partial(method.generate, prompts_, k)
       if first_token:
-        first = dataclasses.replace(dec, max_new_tokens=1)
-        calls[(name, "first")] = functools.partial(first.generate, prompt, k, draft_prompt)
+        first = method.with_settings(max_new_tokens=1)
+        calls[(name, "first")] = functools.partial(first.generate, prompts_, k)
     timed = timing.alternating(calls, repeats)
     for name, a in acc.items():
       gen, comp, median = timed[(name, "all")]
@@ -76,19 +73,21 @@ def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = Tru
   return {**acc, **{name: statistics.median(t) for name, t in probe_s.items()}}
 
 
-def measure(dec: runner.Decoder, prompts, repeats: int, seed: int) -> dict:
-  probe, draft_probe = dec.encode(prompts[:1])
-  cap = lambda model, p: (1 if model.is_encoder_decoder else p.tokens.shape[1]) + \
-      dec.max_new_tokens + dec.gamma                       # the cache size decoding uses
+def measure(dec: methods.Speculative, prompts, repeats: int, seed: int) -> dict:
+  encoded = dec.prepare(prompts[:1])
+  probe, draft_probe = encoded.target, encoded.draft
+  gamma = dec.settings.gamma
+  cap = lambda model, p: (prompting.prefix_len(model, p) + dec.settings.max_new_tokens
+                          + gamma)                          # the cache size decoding uses
   target, draft = dec.target, dec.draft
   steps = 32   # passes per probe call
   probes = {"t1": timing.step_loop(target.model, target.params, probe, 1,
                                    cap(target.model, probe), steps),
-            "tv": timing.step_loop(target.model, target.params, probe, dec.gamma + 1,
+            "tv": timing.step_loop(target.model, target.params, probe, gamma + 1,
                                    cap(target.model, probe), steps),
             "d1": timing.step_loop(draft.model, draft.params, draft_probe, 1,
                                    cap(draft.model, draft_probe), steps)}
-  runs = time_decoding({"ar": dataclasses.replace(dec, draft=None), "sd": dec}, prompts,
+  runs = time_decoding({"ar": dec.target_only(), "sd": dec}, prompts,
                        jax.random.PRNGKey(seed), repeats, probes=probes)
   ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]
   t1, tv, d1 = (runs[name] / steps for name in ("t1", "tv", "d1"))
@@ -97,17 +96,17 @@ def measure(dec: runner.Decoder, prompts, repeats: int, seed: int) -> dict:
   per_token = lambda r: 1e3 * r["total_s"] / r["tokens"]
   # After the first token: what the cost model describes (prefill and the first token apart).
   decode = lambda r: 1e3 * (r["total_s"] - r["first_s"]) / max(r["tokens"] - len(prompts), 1)
-  model_predicted = tau / (c * dec.gamma + v)
+  model_predicted = tau / (c * gamma + v)
   return dict(
-      rule=dec.rule_name,
-      gamma=dec.gamma, prompts=len(prompts), ar_tokens=ar["tokens"], sd_tokens=sd["tokens"],
+      rule=dec.label,
+      gamma=gamma, prompts=len(prompts), ar_tokens=ar["tokens"], sd_tokens=sd["tokens"],
       ar_ms_per_token=per_token(ar), sd_ms_per_token=per_token(sd),
       speedup=per_token(ar) / per_token(sd),
       ar_first_token_ms=1e3 * ar["first_s"] / len(prompts),
       sd_first_token_ms=1e3 * sd["first_s"] / len(prompts),
       ar_decode_ms_per_token=decode(ar), sd_decode_ms_per_token=decode(sd),
       decode_speedup=decode(ar) / decode(sd),
-      predicted_speedup=tau / (c * dec.gamma + 1), model_predicted_speedup=model_predicted,
+      predicted_speedup=tau / (c * gamma + 1), model_predicted_speedup=model_predicted,
       model_efficiency=decode(ar) / decode(sd) / model_predicted,
       block_efficiency=tau, acceptance_rate=alpha, cost_ratio=c, verify_cost_ratio=v,
       target_step_ms=1e3 * t1, draft_step_ms=1e3 * d1,
@@ -129,22 +128,28 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-  args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-  runner.enable_compilation_cache()
-  config = load_config(args.config, overrides)
-  dec = runner.build(config, use_draft=True)
-  prompts = runner.eval_prompts(config, args.num_prompts)
-  gammas = [int(g) for g in args.gamma.split(",") if g] or [dec.gamma]
-  records = []
-  for g in gammas:
-    records.append(measure(dataclasses.replace(dec, gamma=g), prompts, args.repeats,
-                           int(config.decode.seed)))
-    print(table(records[-1:]) if len(records) == 1 else table(records[-1:]).splitlines()[-1],
-          flush=True)
-  if args.output_json:
-    with open(args.output_json, "w") as f:
-      json.dump(records if len(records) > 1 else records[0], f, indent=2)
-  return 0
+  args, overrides = parse_args(argv)
+
+  def go():
+    cli.setup()
+    config = load_config(args.config, overrides)
+    dec = methods.build(config)
+    if not isinstance(dec, methods.Speculative):
+      raise ValueError(f"eval.latency compares target-only and speculative decoding; the config "
+                       f"runs {dec.name} (name a draft checkpoint and an acceptance rule)")
+    prompts = runner.eval_prompts(config, args.num_prompts)
+    gammas = [int(g) for g in args.gamma.split(",") if g] or [dec.settings.gamma]
+    records = []
+    for g in gammas:
+      records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
+                             builders.decode_settings(config).seed))
+      print(table(records[-1:]) if len(records) == 1 else table(records[-1:]).splitlines()[-1],
+            flush=True)
+    if args.output_json:
+      with open(args.output_json, "w") as f:
+        json.dump(records if len(records) > 1 else records[0], f, indent=2)
+
+  return cli.run("eval.latency", go)
 
 
 if __name__ == "__main__":

@@ -11,60 +11,63 @@ scores the outputs against the references with the task's metric (ROUGE for the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import jax
 
-from specjax import runner
-from specjax.config import load_config
+from specjax.app import builders, cli, methods, runner
+from specjax.app.config import load_config
 from specjax.data import metrics
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.parser("python -m eval.quality", __doc__)
   p.add_argument("--config", default="tiny.py")
   p.add_argument("--num_examples", type=int, default=64)
   p.add_argument("--batch_size", type=int, default=16)
   p.add_argument("--output_json")
-  return p.parse_known_args(argv)
+  return cli.parse(p, argv)
 
 
 def decoders(config) -> dict:
-  """Mode name -> Decoder, for every model the config names."""
-  out = {"target": runner.build_single(config, "target")}
-  for section in ("draft_raw", "draft"):
-    if config.get(section) and config[section].get("checkpoint"):
-      out[f"{section}_only"] = runner.build_single(config, section)
-  out[f"sd_{config.rule.name}"] = runner.build(config, use_draft=True)
-  if config.get("draft_raw") and config.draft_raw.get("checkpoint"):   # DistillSpec's comparison
-    out[f"sd_{config.rule.name}_raw_draft"] = runner.build(config, use_draft=True,
-                                                          draft_section="draft_raw")
+  """Mode name -> Method, for every model the config names."""
+  has = lambda role: bool(builders.section(config, role).get("checkpoint"))
+  rule = builders.section(config, "rule").get("name", "")
+  out = {"target": methods.Autoregressive.from_config(config)}
+  for role in ("draft_raw", "draft"):
+    if has(role):
+      out[f"{role}_only"] = methods.Autoregressive.from_config(config, target_role=role)
+  out[f"sd_{rule}"] = methods.build(config)
+  if has("draft_raw"):                                   # DistillSpec's comparison
+    out[f"sd_{rule}_raw_draft"] = methods.build(config, draft_role="draft_raw")
   return out
 
 
 def main(argv=None) -> int:
-  args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-  runner.enable_compilation_cache()
-  config = load_config(args.config, overrides)
-  source = runner.eval_source(config)
-  examples = source.eval_examples("validation", args.num_examples)
-  prompts, refs = [p for p, _ in examples], [r for _, r in examples]
-  metric = source.task.metric or "rouge"
-  key = jax.random.PRNGKey(int(config.decode.seed))
-  report = {"config": args.config, "metric": metric, "examples": len(prompts),
-            "temperature": float(config.decode.temperature), "modes": {}}
-  for mode, dec in decoders(config).items():
-    texts, stats = runner.generate_texts(dec, prompts, key, args.batch_size)
-    scores = metrics.evaluate(metric, texts, refs)
-    report["modes"][mode] = {**scores, "examples": len(texts), **runner.aggregate(stats)}
-    print(f"{mode:>20}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()), flush=True)
-  if args.output_json:
-    with open(args.output_json, "w") as f:
-      json.dump(report, f, indent=2)
-  return 0
+  args, overrides = parse_args(argv)
+
+  def go():
+    cli.setup()
+    config = load_config(args.config, overrides)
+    source = builders.eval_source(config)
+    examples = source.eval_examples("validation", args.num_examples)
+    prompts, refs = [p for p, _ in examples], [r for _, r in examples]
+    metric = source.task.metric or "rouge"
+    key = jax.random.PRNGKey(builders.decode_settings(config).seed)
+    report = {"config": args.config, "metric": metric, "examples": len(prompts),
+              "temperature": builders.decode_settings(config).temperature, "modes": {}}
+    for mode, method in decoders(config).items():
+      rows = runner.generate_texts(method, prompts, key, args.batch_size)
+      scores = metrics.evaluate(metric, [text for _, _, text, _ in rows], refs)
+      report["modes"][mode] = {**scores, "examples": len(rows),
+                               **runner.aggregate([st for _, _, _, st in rows])}
+      print(f"{mode:>20}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()), flush=True)
+    if args.output_json:
+      with open(args.output_json, "w") as f:
+        json.dump(report, f, indent=2)
+
+  return cli.run("eval.quality", go)
 
 
 if __name__ == "__main__":

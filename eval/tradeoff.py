@@ -17,7 +17,6 @@ Writes OUTPUT.csv, OUTPUT.json and OUTPUT.png (quality against tokens/s; needs m
 
 from __future__ import annotations
 
-import argparse
 import ast
 import csv
 import dataclasses
@@ -28,8 +27,9 @@ from typing import Any
 import jax
 
 from eval.latency import time_decoding
-from specjax import runner
 from specjax.acceptance import registry
+from specjax.app import builders, cli, methods, runner
+from specjax.app.config import load_config
 from specjax.data import metrics
 
 SWEPT = {"fuzzy": "threshold", "lenient": "eps"}     # the hyperparameter --values sets
@@ -97,27 +97,27 @@ def settings(rule: str, values: list[float], gamma: int, extra: dict,
   return points
 
 
-def decoder_for(point: Setting, base: runner.Decoder, draft_alone: runner.Decoder | None):
+def method_for(point: Setting, base: methods.Method, draft_alone: methods.Method):
   if point.section == "target":
-    return dataclasses.replace(base, draft=None, rule=None)
+    return base.target_only()
   if point.section == "draft":
     return draft_alone
-  return dataclasses.replace(base, rule=point.rule, gamma=point.gamma)
+  return dataclasses.replace(base, rule=point.rule).with_settings(gamma=point.gamma)
 
 
-def measure_quality(dec: runner.Decoder, prompts: list[str], refs: list[str], metric: str,
+def measure_quality(method: methods.Method, prompts: list[str], refs: list[str], metric: str,
                     quality_key: str, key, batch_size: int) -> dict:
-  """Task quality and decoding statistics of one decoder (batched)."""
-  texts, rows = runner.generate_texts(dec, prompts, key, batch_size)
-  scores = metrics.evaluate(metric, texts, refs)
-  stats = runner.aggregate(rows)
+  """Task quality and decoding statistics of one method (batched)."""
+  rows = runner.generate_texts(method, prompts, key, batch_size)
+  scores = metrics.evaluate(metric, [text for _, _, text, _ in rows], refs)
+  stats = runner.aggregate([st for _, _, _, st in rows])
   return {"quality": scores[quality_key], **scores,
           "alpha": stats.get("acceptance_rate", float("nan")),
           "tau": stats.get("block_efficiency", float("nan")),
           "draft_share": draft_share(stats), "emitted": stats.get("emitted", 0)}
 
 
-def measure_speed(decoders: list[runner.Decoder], prompts: list[str], key, repeats: int):
+def measure_speed(decoders: list[methods.Method], prompts: list[str], key, repeats: int):
   """Batch-1 tokens/s and ms/token of every decoder, all timed alternately on the same prompts
   (so that machine drift does not favour one setting)."""
   runs = time_decoding(dict(enumerate(decoders)), prompts, key, repeats, first_token=False)
@@ -180,7 +180,7 @@ def plot(records: list[dict], path: str, quality_key: str) -> bool:
   return True
 
 
-def sweep(points: list[tuple[Setting, runner.Decoder]], prompts, refs, metric, quality_key, key,
+def sweep(points: list[tuple[Setting, methods.Method]], prompts, refs, metric, quality_key, key,
           *, timing_prompts: int, repeats: int, batch_size: int) -> list[dict]:
   quality = []
   for point, dec in points:
@@ -206,8 +206,7 @@ def write(records: list[dict], output: str, quality_key: str) -> None:
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(prog="python -m eval.tradeoff", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.parser("python -m eval.tradeoff", __doc__)
   p.add_argument("--config", default="tiny.py")
   p.add_argument("--rule", default="fuzzy", help="fuzzy, lenient or adaptive")
   p.add_argument("--values", default="", help="comma-separated threshold / eps values")
@@ -221,36 +220,41 @@ def parse_args(argv):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--quality_key", default=None, help="metric key plotted (default per metric)")
   p.add_argument("--output", default=None, help="output prefix (default tradeoff_RULE)")
-  return p.parse_known_args(argv)
+  return cli.parse(p, argv)
 
 
-def build_points(config, args) -> list[tuple[Setting, runner.Decoder]]:
-  """The sweep's settings and their decoders, from the config and the command line."""
+def build_points(config, args) -> list[tuple[Setting, methods.Method]]:
+  """The sweep's settings and their methods, from the config and the command line."""
   random_text = args.random_values
   if random_text is None:
     random_text = DEFAULT_RANDOM if args.rule == "fuzzy" else ""
-  base = runner.build(config, use_draft=True)
-  points = settings(args.rule, parse_values(args.values), base.gamma, parse_sets(args.set),
-                    parse_values(random_text))
-  draft_alone = runner.build_single(config, "draft")
-  return [(p, decoder_for(p, base, draft_alone)) for p in points]
+  base = methods.build(config)
+  if not isinstance(base, methods.Speculative):
+    raise ValueError(f"eval.tradeoff needs speculative decoding; the config runs {base.name}")
+  points = settings(args.rule, parse_values(args.values), base.settings.gamma,
+                    parse_sets(args.set), parse_values(random_text))
+  draft_alone = methods.Autoregressive.from_config(config, target_role="draft")
+  return [(p, method_for(p, base, draft_alone)) for p in points]
 
 
 def main(argv=None) -> int:
-  from specjax.config import load_config
-  args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-  runner.enable_compilation_cache()
-  config = load_config(args.config, overrides)
-  points = build_points(config, args)
-  source = runner.eval_source(config)
-  examples = source.eval_examples("validation", args.num_examples)
-  metric = source.task.metric or "rouge"
-  quality_key = args.quality_key or PRIMARY[metric]
-  records = sweep(points, [p for p, _ in examples], [r for _, r in examples], metric, quality_key,
-                  jax.random.PRNGKey(int(config.decode.seed)), timing_prompts=args.timing_prompts,
-                  repeats=args.repeats, batch_size=args.batch_size)
-  write(records, args.output or f"tradeoff_{args.rule}", quality_key)
-  return 0
+  args, overrides = parse_args(argv)
+
+  def go():
+    cli.setup()
+    config = load_config(args.config, overrides)
+    points = build_points(config, args)
+    source = builders.eval_source(config)
+    examples = source.eval_examples("validation", args.num_examples)
+    metric = source.task.metric or "rouge"
+    quality_key = args.quality_key or PRIMARY[metric]
+    key = jax.random.PRNGKey(builders.decode_settings(config).seed)
+    records = sweep(points, [p for p, _ in examples], [r for _, r in examples], metric,
+                    quality_key, key, timing_prompts=args.timing_prompts, repeats=args.repeats,
+                    batch_size=args.batch_size)
+    write(records, args.output or f"tradeoff_{args.rule}", quality_key)
+
+  return cli.run("eval.tradeoff", go)
 
 
 if __name__ == "__main__":

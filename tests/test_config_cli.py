@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from specjax.config import ConfigError, load_config
+from specjax.app import builders
+from specjax.app.config import ConfigError, load_config, shipped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +24,9 @@ def test_bare_name_and_typed_overrides():
 @pytest.mark.parametrize("override, message", [
     ("--config.decode.gama=3", "unknown config field 'decode.gama'"),
     ("--config.nope.x=3", "unknown config section 'nope'"),
-    ("--config.decode.gamma=2.5", "expected an integer"),
+    ("--config.decode.gamma=2.5", "expects an integer"),
+    ("--config.decode.gamma=abc", "expects a number"),
+    ("--config.decode.greedy=true", "unknown config field"),
     ("--config.decode.gamma", "needs the form"),
 ])
 def test_bad_overrides(override, message):
@@ -48,3 +51,55 @@ def test_decode_without_weights_explains_and_exits_nonzero(tmp_path):
   assert "google/t5-v1_1-xl" in proc.stderr
   assert "--config.target.checkpoint=DIR" in proc.stderr
   assert len(proc.stderr.strip().splitlines()) <= 6
+
+
+def test_shipped_configs_load_from_any_directory(tmp_path):
+  """Configs live in the package: a plain import finds them wherever the user stands."""
+  assert {"tiny.py", "t5_xl_small.py", "distill_lm1b.py"} <= set(shipped())
+  code = ("from specjax.app.config import load_config; "
+          "print(load_config('tiny.py').decode.gamma, load_config('distill_lm1b').train.steps)")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.split() == ["4", "300000"]
+
+
+def test_a_config_file_by_path(tmp_path):
+  path = tmp_path / "mine.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config(arg=None):\n"
+                  "  return ml_collections.ConfigDict(dict(decode=dict(gamma=int(arg or 2))))\n")
+  assert load_config(str(path)).decode.gamma == 2
+  assert load_config(f"{path}:9").decode.gamma == 9
+
+
+@pytest.mark.parametrize("section, values, message", [
+    ("decode", {"gamma": "abc"}, "decode.gamma='abc' is not a int"),
+    ("decode", {"gama": 3}, "unknown field.*gama.*known fields: batch_size"),
+    ("decode", {"temperature": "hot"}, "decode.temperature='hot' is not a float"),
+    ("rule", {"name": "lenient", "eps": "x"}, "rule.eps='x' is not a float"),
+    ("rule", {"name": "lenient", "epsilon": 0.1}, "unknown field.*epsilon.*known fields: eps"),
+    ("target", {"checkpoint": "x", "d_model": 3}, "need arch=decoder or arch=t5"),
+])
+def test_builders_refuse_unknown_keys_and_mistyped_values(section, values, message):
+  import ml_collections
+  config = ml_collections.ConfigDict({section: values})
+  build = {"decode": builders.decode_settings, "rule": builders.rule,
+           "target": lambda c: builders.model_spec(c, "target")}[section]
+  with pytest.raises(ConfigError, match=message):
+    build(config)
+
+
+def test_builders_type_values_by_annotation():
+  import ml_collections
+  config = ml_collections.ConfigDict(dict(
+      decode=dict(gamma=5.0, temperature=0, top_p="0.9"),
+      rule=dict(name="fuzzy", threshold=[0.1, 0.2], divergence="js")))
+  settings = builders.decode_settings(config)
+  assert (settings.gamma, settings.temperature, settings.top_p) == (5, 0.0, 0.9)
+  assert isinstance(settings.gamma, int) and isinstance(settings.temperature, float)
+  assert builders.rule(config).threshold == (0.1, 0.2)
+  spec = builders.model_spec(ml_collections.ConfigDict(dict(
+      draft=dict(arch="decoder", d_model=32, num_layers=1, init_from=""))), "draft")
+  assert spec.arch == "decoder" and dict(spec.fields) == {"d_model": 32, "num_layers": 1}

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from specjax.data import metrics, stdlib_corpus, tasks
-from specjax.data.source import Source, SourceConfig, bucket_length
+from specjax.data.source import Source, SourceConfig
+from specjax.models.prompting import bucket
 from specjax.data.tfds_tasks import MissingDataError
 
 
@@ -150,12 +151,12 @@ def _seq2seq_task(n=40):
   return ListTask("toy_sum", "seq2seq", "rouge", data)
 
 
-def test_bucket_length():
-  assert [bucket_length(n, 256) for n in (1, 16, 17, 33, 64, 65, 200, 256)] == \
+def test_bucket():
+  assert [bucket(n, 256) for n in (1, 16, 17, 33, 64, 65, 200, 256)] == \
       [16, 16, 32, 64, 64, 128, 256, 256]
-  assert bucket_length(90, 100) == 100 and bucket_length(3, 100, min_bucket=4) == 4
+  assert bucket(90, 100) == 100 and bucket(3, 100, minimum=4) == 4 and bucket(300) == 512
   with pytest.raises(ValueError, match="exceeds the cap"):
-    bucket_length(300, 256)
+    bucket(300, 256)
 
 
 def test_seq2seq_batch_padding_and_buckets():
@@ -168,7 +169,7 @@ def test_seq2seq_batch_padding_and_buckets():
     targets, mask = np.asarray(b.targets), np.asarray(b.mask)
     widths.add(tokens.shape[1])
     assert tokens.shape[1] in (16, 32, 64) and tokens.shape[1] >= lengths.max()
-    assert tokens.shape[1] == bucket_length(int(lengths.max()), 64)
+    assert tokens.shape[1] == bucket(int(lengths.max()), 64)
     assert targets.shape == mask.shape == (2, 12)
     for row in range(2):
       n, m = lengths[row], mask[row].sum()

@@ -310,18 +310,17 @@ def test_tradeoff_sweep_end_to_end_on_a_toy_pair(tmp_path):
   from pathlib import Path
 
   from eval import tradeoff
-  from specjax import loading, runner
+  from specjax.app import builders, methods, resolve
   model = testing.ToyAR(6, 8)
   target = model.init_params(jax.random.PRNGKey(0))
   draft = {"table": testing.draft_table(jax.random.PRNGKey(1), target["table"], "good")}
-  loaded = lambda params: loading.LoadedModel(model, params, _CharTokenizer(), Path("."))
-  base = runner.Decoder(target=loaded(target), draft=loaded(draft), rule=None, warp=Warp(),
-                        gamma=3, max_new_tokens=8)
-  alone = runner.Decoder(target=loaded(draft), draft=None, rule=None, warp=Warp(), gamma=3,
-                         max_new_tokens=8)
+  loaded = lambda params: resolve.LoadedModel(model, params, _CharTokenizer(), Path("."))
+  settings = builders.DecodeSettings(gamma=3, max_new_tokens=8)
+  base = methods.Speculative(target=loaded(target), settings=settings, draft=loaded(draft))
+  alone = methods.Autoregressive(target=loaded(draft), settings=settings)
   points = tradeoff.settings("fuzzy", [0.3], 3, {}, [0.5])
   prompts, refs = ["ab", "cde", "e"], ["a b c", "d e", "b b a"]
-  records = tradeoff.sweep([(p, tradeoff.decoder_for(p, base, alone)) for p in points], prompts,
+  records = tradeoff.sweep([(p, tradeoff.method_for(p, base, alone)) for p in points], prompts,
                            refs, "rouge", "rouge1", jax.random.PRNGKey(0), timing_prompts=1,
                            repeats=1, batch_size=1)
   assert [r["curve"] for r in records] == ["target", "draft", "fuzzy", "fuzzy_random"]

@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp
+    from specjax import sharding
     from specjax.distill import trainer
     workdir, port, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if pid >= 0:
-      trainer.initialize_distributed(f"localhost:{port}", 2, pid)
+      sharding.initialize_distributed(f"localhost:{port}", 2, pid)
     from specjax import testing
     from specjax.distill import data
     teacher, tp = testing.tiny_decoder(seed=1, vocab_size=32, d_model=32, num_layers=2)

@@ -12,7 +12,7 @@ import pytest
 from specjax import sampling
 from specjax.acceptance import vocab
 from specjax.decoding import autoregressive, speculative, string_level as sl
-from specjax.models import Prompt
+from specjax.models import Prompt, prompting
 from tests.test_vocab import (CONTEXTS, D_PIECES, PROMPT, T_PIECES, ToyTok, ctx_index, lossless,
                               softmax, tables, target_law)
 
@@ -164,9 +164,13 @@ def real(tmp_path_factory):
   return ttok, dtok, target, tparams, draft, dparams
 
 
+def prompt_ids(tok, text):
+  return prompting.encode(tok, text, encoder_decoder=False)
+
+
 def _ar(real, prompt_text, key, warp, n):
   ttok, _, target, tparams, _, _ = real
-  ids = sl.prompt_ids(ttok, prompt_text)
+  ids = prompting.encode(ttok, prompt_text, encoder_decoder=False)
   prompt = Prompt(tokens=np.asarray([ids], np.int32), lengths=np.asarray([len(ids)], np.int32))
   gen = autoregressive.generate(target, tparams, prompt, key, max_new_tokens=n, warp=warp,
                                 eos_id=None)
@@ -179,8 +183,9 @@ def test_slem_and_tli_equal_target_decoding(real):
   text = "def push(self, item):\n"
   for warp in (sampling.Warp(temperature=0.0), sampling.Warp(temperature=1.0)):
     want, prompt = _ar(real, text, key, warp, n)
-    got = sl.generate(target, tparams, ttok, draft, dparams, dtok, text, key, method="slem",
-                      gamma=3, max_new_tokens=n, warp=warp, eos_id=None)
+    got = sl.generate(target, tparams, ttok, draft, dparams, dtok, prompt_ids(ttok, text),
+                      prompt_ids(dtok, text), key, method="slem", gamma=3,
+                      max_new_tokens=n, warp=warp, eos_id=None)
     assert got.tokens.tolist() == want, warp
     assert got.text == ttok.decode(want)
     assert int(got.stats.emitted[0]) == n
@@ -191,7 +196,7 @@ def test_tli_greedy_equals_target_decoding(real):
   key, n = jax.random.PRNGKey(0), 12
   text = "def push(self, item):\n"
   vm = vocab.build(ttok, dtok, target_width=target.vocab_size, draft_width=draft.vocab_size)
-  dids = sl.prompt_ids(dtok, text)
+  dids = prompting.encode(dtok, text, encoder_decoder=False)
   dprompt = Prompt(tokens=np.asarray([dids], np.int32), lengths=np.asarray([len(dids)], np.int32))
   want, prompt = _ar(real, text, key, sampling.Warp(temperature=0.0), n)
   gen = speculative.generate(target, tparams, draft, dparams, prompt, key,
@@ -202,8 +207,8 @@ def test_tli_greedy_equals_target_decoding(real):
 
 def test_slrs_real_models_runs(real):
   ttok, dtok, target, tparams, draft, dparams = real
-  got = sl.generate(target, tparams, ttok, draft, dparams, dtok, "x = ", jax.random.PRNGKey(1),
-                    method="slrs", max_new_tokens=3, max_depth=2, warp=sampling.Warp(top_k=8),
-                    eos_id=None)
+  got = sl.generate(target, tparams, ttok, draft, dparams, dtok, prompt_ids(ttok, "x = "),
+                    prompt_ids(dtok, "x = "), jax.random.PRNGKey(1), method="slrs",
+                    max_new_tokens=3, max_depth=2, warp=sampling.Warp(top_k=8), eos_id=None)
   assert len(got.tokens) == 3 and int(got.stats.emitted[0]) == 3
   assert int(got.stats.target_passes[0]) == 3

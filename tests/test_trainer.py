@@ -148,18 +148,19 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
 
 
 def test_configs_convert_at_the_edge():
-  from specjax.config import load_config
-  big = trainer.train_config(load_config("distill_t5_xl_small.py"))
+  from specjax.app import builders
+  from specjax.app.config import load_config
+  big = builders.train_config(load_config("distill_t5_xl_small.py"))
   assert (big.batch_size, big.learning_rate, big.steps, big.optimizer) == (32, 3e-4, 300_000,
                                                                            "adafactor")
   assert (big.mesh_data, big.mesh_model, big.loss, big.lambda2) == (16, 4, "fkl", 1.0)
   tiny = load_config("distill_tiny.py", ["--config.distill.recipe=f-Distill"])
-  cfg = trainer.train_config(tiny)
+  cfg = builders.train_config(tiny)
   assert (cfg.loss, cfg.lambda1, cfg.lambda2) == ("tvd", 0.0, 0.5)
-  pre = trainer.train_config(tiny, pretrain=True)
+  pre = builders.train_config(tiny, pretrain=True)
   assert (pre.loss, pre.lambda1, pre.steps) == ("nll", 1.0, tiny.pretrain.steps)
   lm1b = load_config("distill_lm1b.py")
-  model = trainer._model_from_fields(lm1b.draft)
+  model = builders.model_from_fields(builders.model_spec(lm1b, "draft"))
   assert (model.config.d_model, model.config.num_layers, model.vocab_size) == (512, 4, 32128)
 
 

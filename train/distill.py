@@ -8,29 +8,24 @@ Resumes from WORKDIR's latest checkpoint; metrics go to the console and WORKDIR/
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-
-def parse(argv: list[str], description: str) -> tuple[argparse.Namespace, list[str]]:
-  """--config FILE and --workdir DIR; every --config.a.b=v is an override for load_config."""
-  parser = argparse.ArgumentParser(description=description)
-  parser.add_argument("--config", required=True, help="config file or bare name in configs/")
-  parser.add_argument("--workdir", required=True, help="checkpoints and metrics.jsonl go here")
-  args, rest = parser.parse_known_args(argv)
-  bad = [a for a in rest if not a.startswith("--config.")]
-  if bad:
-    parser.error(f"unrecognized arguments {bad}: overrides take the form --config.a.b=value")
-  return args, rest
+from specjax.app import cli, config, training
 
 
-def main(argv: list[str] | None = None, pretrain: bool = False) -> None:
-  from specjax.config import load_config
-  from specjax.distill import trainer
-  args, overrides = parse(sys.argv[1:] if argv is None else argv, __doc__.splitlines()[0])
-  config = load_config(args.config, overrides)
-  trainer.run_from_config(config, args.workdir, pretrain=pretrain)
+def main(argv: list[str] | None = None, pretrain: bool = False, doc: str = __doc__) -> int:
+  prog = "train.pretrain" if pretrain else "train.distill"
+  p = cli.parser(f"python -m {prog}", doc)
+  p.add_argument("--config", required=True, help="a shipped config name or a config file")
+  p.add_argument("--workdir", required=True, help="checkpoints and metrics.jsonl go here")
+  args, overrides = cli.parse(p, argv)
+
+  def go():
+    cli.setup()
+    training.run(config.load_config(args.config, overrides), args.workdir, pretrain=pretrain)
+
+  return cli.run(prog, go)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -8,7 +8,9 @@ exports WORKDIR/params, which `--config.target.init_from=WORKDIR` loads in train
 
 from __future__ import annotations
 
+import sys
+
 from train import distill
 
 if __name__ == "__main__":
-  distill.main(pretrain=True)
+  sys.exit(distill.main(pretrain=True, doc=__doc__))

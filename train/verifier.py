@@ -13,17 +13,24 @@ from __future__ import annotations
 import json
 import sys
 
+from specjax.app import cli, config, sprinter_train
 
-def main(argv: list[str] | None = None) -> dict:
-  from specjax import verifier
-  from specjax.config import load_config
-  from train.distill import parse
-  args, overrides = parse(sys.argv[1:] if argv is None else argv, __doc__.splitlines()[0])
-  metrics = verifier.run_from_config(load_config(args.config, overrides), args.workdir)
-  shown = {k: v for k, v in metrics.items() if k != "val_loss_history"}
-  print(json.dumps(shown, indent=2, sort_keys=True), flush=True)
-  return metrics
+
+def main(argv: list[str] | None = None) -> int:
+  p = cli.parser("python -m train.verifier", __doc__)
+  p.add_argument("--config", required=True, help="a shipped config name or a config file")
+  p.add_argument("--workdir", required=True, help="the verifier, its metadata and metrics")
+  args, overrides = cli.parse(p, argv)
+
+  def go():
+    cli.setup()
+    cfg = config.load_config(args.config, overrides)
+    metrics = sprinter_train.run_from_config(cfg, args.workdir)
+    shown = {k: v for k, v in metrics.items() if k != "val_loss_history"}
+    print(json.dumps(shown, indent=2, sort_keys=True), flush=True)
+
+  return cli.run("train.verifier", go)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

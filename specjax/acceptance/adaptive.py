@@ -28,6 +28,7 @@ record="sd" labels the history by the speculative test alone instead of the fina
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import math
 
 import flax.struct
@@ -74,6 +75,7 @@ class Adaptive(base.Rule):
   tau_v_init: float = 0.0        # before both accepted and rejected drafts exist
   tau_v_rule: str = "midpoint"
   record: str = "final"
+  variable_length: ClassVar[bool] = True   # the entropy stop ends a row's drafts
 
   def __post_init__(self):
     if not 1 <= self.min_window <= self.max_window:

@@ -10,8 +10,16 @@ The speculative loop (specjax/decoding/speculative.py) calls, per block:
       -> (n_accepted[B] in [0, draft_len], next_token[B], rule_state)
 
 `keys` are per-row PRNG keys [B] (already specific to the row and the block). Rules are static
-arguments of jit: every field must be hashable; per-row data belongs in rule_state, a pytree whose
-leaves have a leading [B] axis (rows that are done keep their old rule_state).
+arguments of jit: every field must be hashable.
+
+The contract is declarative: the loop asks the rule, it never inspects it.
+  variable_length   True when keep_drafting / stop_after can end a row's drafts early (AdaSD);
+                    False: every row drafts gamma tokens (the loop unrolls the draft steps).
+  to_target_ids     draft proposals -> the target ids fed to the verify pass (a rule whose
+                    proposals can fall outside the target vocabulary maps them here).
+  to_draft_ids / draft_images   committed target ids -> what is fed back to the draft.
+  select_rows       which rule_state survives a block for rows that are done; by default every
+                    leaf of rule_state is per-row with a leading [B] axis (checked).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class Rule:
   """Base acceptance rule: sampled drafts from warped q, fixed-length drafting."""
   needs_same_vocab: ClassVar[bool] = True   # draft and target must share token ids
   draft_image_width: ClassVar[int] = 1      # most draft tokens one target token can need
+  variable_length: ClassVar[bool] = False   # drafts can stop early (keep_drafting / stop_after)
   rule_name: ClassVar[str] = ""             # set by registry.register
 
   def init_state(self, batch: int) -> Any:
@@ -43,6 +52,10 @@ class Rule:
   def p_log_probs(self, p_logits: jax.Array, warp: sampling.Warp) -> jax.Array:
     """Target logits [..., V] -> f32 log-probs p given to verify (and used for residuals/bonus)."""
     return warp.log_probs(p_logits)
+
+  def to_target_ids(self, draft_tokens: jax.Array) -> jax.Array:
+    """Proposals [B, K] -> target ids fed to the verify pass (identity: proposals are target ids)."""
+    return draft_tokens
 
   def to_draft_ids(self, tokens: jax.Array) -> jax.Array:
     """Target token ids -> the draft's ids for feeding the draft (identity for a shared vocab)."""
@@ -66,6 +79,17 @@ class Rule:
     the row's block (AdaSD keeps its stopping token)."""
     del step, rule_state
     return jnp.zeros(q_logp.shape[:1], bool)
+
+  def select_rows(self, live: jax.Array, new: Any, old: Any) -> Any:
+    """rule_state after a block: `new` for live rows [B], `old` for rows that are done.
+    Every leaf is per-row ([B, ...]); a rule with shared state overrides this."""
+    def pick(a, b):
+      if a.ndim == 0 or a.shape[0] != live.shape[0]:
+        raise ValueError(f"rule {self.rule_name or type(self).__name__!r}: rule_state leaf of "
+                         f"shape {a.shape} is not per-row [B={live.shape[0]}, ...]; override "
+                         f"select_rows for state shared across rows")
+      return jnp.where(live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    return jax.tree_util.tree_map(pick, new, old)
 
   def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
     raise NotImplementedError(f"{type(self).__name__} must implement verify()")

@@ -9,7 +9,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+from specjax.acceptance import base
+
 _RULES: dict[str, type] = {}
+
+
+class UnknownRuleError(ValueError):
+  """A rule name that no module registered; carries the known names."""
+
+  def __init__(self, name: str, known: list[str]):
+    super().__init__(f"unknown acceptance rule {name!r}; known rules: {', '.join(known)}")
+    self.name, self.known = name, known
 _BUILTIN_MODULES = ("exact", "lenient", "fuzzy", "adaptive", "vocab")
 _loaded = False
 
@@ -20,10 +30,20 @@ def register(name: str):
     if name in _RULES and _RULES[name] is not cls:
       raise ValueError(f"acceptance rule {name!r} is registered twice "
                        f"({_RULES[name].__module__} and {cls.__module__})")
+    _check_contract(name, cls)
     _RULES[name] = cls
     cls.rule_name = name
     return cls
   return wrap
+
+
+def _check_contract(name: str, cls) -> None:
+  """A rule that overrides a drafting hook must say so: the loop reads `variable_length` only."""
+  stops_early = (cls.keep_drafting is not base.Rule.keep_drafting
+                 or cls.stop_after is not base.Rule.stop_after)
+  if stops_early and not cls.variable_length:
+    raise TypeError(f"acceptance rule {name!r} overrides keep_drafting / stop_after but declares "
+                    f"variable_length = False: set variable_length = True")
 
 
 def _load_builtins() -> None:
@@ -45,13 +65,17 @@ def names() -> list[str]:
   return sorted(_RULES)
 
 
-def get(name: str, **hparams):
-  """Build the rule registered as `name` with its hyperparameters (e.g. get("lenient", eps=0.1))."""
+def rule_class(name: str) -> type:
+  """The Rule subclass registered as `name`."""
   _load_builtins()
   if name not in _RULES:
-    raise ValueError(f"unknown acceptance rule {name!r}; known rules: {', '.join(names())} "
-                     f"(set --config.rule.name to one of them)")
-  cls = _RULES[name]
+    raise UnknownRuleError(name, names())
+  return _RULES[name]
+
+
+def get(name: str, **hparams):
+  """Build the rule registered as `name` with its hyperparameters (e.g. get("lenient", eps=0.1))."""
+  cls = rule_class(name)
   fields = [f.name for f in dataclasses.fields(cls)]
   unknown = sorted(set(hparams) - set(fields))
   if unknown:

@@ -14,6 +14,7 @@ jit cache is keyed by it); its arrays become constants of the compiled loop.
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import functools
 import re
@@ -26,6 +27,8 @@ import numpy as np
 from specjax import sampling
 from specjax.acceptance import base
 from specjax.acceptance.registry import register
+
+log = logging.getLogger(__name__)
 
 _BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 DEFAULT_MIN_OVERLAP = 0.05      # refuse a map covering less than 5% of the target vocabulary
@@ -166,7 +169,7 @@ def build(target_tok, draft_tok, *, target_width: int | None = None,
   vmap = VocabMap(d2t=d2t, t2d=t2d, images=images, image_len=image_len, target_vocab=v_t,
                   draft_vocab=v_d)
   if verbose:
-    print(f"specjax: {vmap.report()}", flush=True)
+    log.info("%s", vmap.report())
   return vmap
 
 
@@ -263,6 +266,11 @@ class Union(_CrossVocab):
     q = jnp.exp(warp.log_probs(q_logits))                                 # [..., V_D]
     rows = self.vocab.inter_d
     return self._scatter(q[..., jnp.asarray(rows)], rows)
+
+  def to_target_ids(self, draft_tokens):
+    """The sentinel (a draft-only token, id = the target's width) is fed to the target as the
+    last id; it is always rejected, so what the target computes at that position is never used."""
+    return jnp.minimum(draft_tokens, self.vocab.t2d.shape[0] - 1)
 
   def propose(self, q_logp, keys):
     outside = jnp.log(jnp.maximum(1.0 - jnp.sum(jnp.exp(q_logp), -1, keepdims=True), 0.0))

@@ -1,8 +1,9 @@
 """Config -> SPRINTER verifier training: what `python -m train.verifier` runs.
 
-Reads the config's `verifier`, `target`, `draft`, `data` and `decode` sections, builds the models
-and the text prefixes, and hands typed objects to `specjax.sprinter.train.train_verifier`. Errors
-the library raises with data (too few sequences) come back here as `--config.` advice.
+The `verifier` section holds the data settings (sprinter.data.DataConfig), the optimisation
+(sprinter.train.TrainConfig) and a few run settings (VerifierRun); each key belongs to exactly one
+of them and is typed by its field. The models come from `target` and `draft`, the text prefixes
+from `data`, the sampling warp from `decode`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import math
 
 import jax
 
-from specjax import sampling
 from specjax.app import builders, resolve
 from specjax.app.config import ConfigError
 from specjax.data.source import SourceConfig, make_source
@@ -21,49 +21,55 @@ from specjax.sprinter import train as train_lib
 from specjax.sprinter.data import DataConfig
 
 
-def data_config(section) -> DataConfig:
-  return DataConfig(lam=float(section.lam), cont_len=int(section.cont_len),
-                    mix_prob=float(section.mix_prob), features=str(section.features))
+@dataclasses.dataclass(frozen=True)
+class VerifierRun:
+  """The `verifier` keys that are neither data nor optimisation settings."""
+  workdir: str = ""          # where the sprinter_* configs expect the trained verifier
+  mlp_width: int = 0         # 0: a linear verifier (the paper's), else one hidden layer
+  gamma_max: int = 8         # the decoding default saved with the verifier
+  num_sequences: int = 1024  # text prefixes (split by sequence into train/val/test)
+  batch_rows: int = 64       # prefixes per rollout batch
 
 
-def train_config(section) -> train_lib.TrainConfig:
-  """The section's keys that name TrainConfig fields, typed like their defaults."""
-  cls = train_lib.TrainConfig
-  names = {f.name for f in dataclasses.fields(cls)}
-  return cls(**{k: type(getattr(cls, k))(v) for k, v in section.items() if k in names})
+def split_section(section: dict) -> tuple[DataConfig, train_lib.TrainConfig, VerifierRun]:
+  """The `verifier` section, each key typed by the dataclass that owns it; unknown keys refused."""
+  parts = (DataConfig, train_lib.TrainConfig, VerifierRun)
+  owners = {f.name: cls for cls in parts for f in dataclasses.fields(cls)}
+  unknown = sorted(set(section) - set(owners))
+  if unknown:
+    raise ConfigError(f"--config.verifier: unknown field(s) {', '.join(unknown)}; known fields: "
+                      f"{', '.join(sorted(owners))}")
+  return tuple(builders.typed(cls, {k: v for k, v in section.items() if owners[k] is cls},
+                              "verifier") for cls in parts)
 
 
-def text_batches(config, rows: int, count: int):
-  """`count` batches of `rows` text prefixes: the config's task via specjax.data (the runner's
-  eval_source style), or the seeded Markov language when data.source == 'markov'."""
-  d, cont_len = config.data, int(config.verifier.cont_len)
-  if d.get("source") == "markov":
-    src = distill_data.MarkovSource(int(d.vocab_size), rows, int(d.prompt_len), cont_len,
-                                    int(d.get("seed", 0)))
+def text_batches(spec: builders.DataSpec, rows: int, count: int, cont_len: int):
+  """`count` batches of `rows` text prefixes: the config's task, or the seeded Markov language
+  when data.source == 'markov'."""
+  if spec.source == "markov":
+    src = distill_data.MarkovSource(spec.vocab_size, rows, spec.prompt_len, cont_len, spec.seed)
     return [src.batch(i) for i in range(count)]
-  fields = {k: int(d[k]) for k in ("lm_prompt_len", "max_prompt_len") if k in d}
-  src = make_source(d.task, d.tokenizer,
-                    SourceConfig(batch_size=rows, max_target_len=cont_len, **fields))
+  src = make_source(spec.task, spec.tokenizer, SourceConfig(
+      batch_size=rows, max_target_len=cont_len, lm_prompt_len=spec.lm_prompt_len,
+      max_prompt_len=spec.max_prompt_len))
   return [src.batch(i, "train") for i in range(count)]
 
 
 def run_from_config(config, workdir: str) -> dict:
   """Models + text prefixes -> examples -> trained verifier, saved in workdir with
   verifier.json and metrics.json. Returns the metrics."""
-  v = config.verifier
-  seed = int(v.get("seed", 0))
+  data, training, run = split_section(builders.section(config, "verifier"))
+  seed = training.seed
   target, tparams = resolve.build_model(builders.model_spec(config, "target"), seed)
   draft, dparams = resolve.build_model(builders.model_spec(config, "draft"), seed + 1)
-  d = config.decode
-  warp = sampling.Warp(float(d.temperature), int(d.top_k), float(d.top_p))
-  rows = int(v.batch_rows)
-  batches = text_batches(config, rows, math.ceil(int(v.num_sequences) / rows))
-  eos = int(config.data.get("eos_id", getattr(getattr(target, "config", None), "eos_token_id", 1)))
+  spec = builders.data_spec(config)
+  batches = text_batches(spec, run.batch_rows, math.ceil(run.num_sequences / run.batch_rows),
+                         data.cont_len)
   try:
     return train_lib.train_verifier(
-        target, tparams, draft, dparams, batches, jax.random.PRNGKey(seed), warp=warp,
-        data=data_config(v), training=train_config(v), eos=eos, mlp_width=int(v.mlp_width),
-        workdir=workdir, gamma_max=int(v.gamma_max))
+        target, tparams, draft, dparams, batches, jax.random.PRNGKey(seed),
+        warp=builders.decode_settings(config).warp, data=data, training=training,
+        eos=spec.eos_id, mlp_width=run.mlp_width, workdir=workdir, gamma_max=run.gamma_max)
   except train_lib.TooFewSequencesError as e:
-    raise ConfigError(f"{e}; raise --config.verifier.num_sequences (now {int(v.num_sequences)}) "
+    raise ConfigError(f"{e}; raise --config.verifier.num_sequences (now {run.num_sequences}) "
                       f"or lower --config.verifier.val_fraction / test_fraction") from e

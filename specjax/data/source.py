@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.data.batch import Batch
-from specjax.models import Prompt
+from specjax.models import prompting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,22 +38,6 @@ class SourceConfig:
   lm_prompt_len: int = 32       # lm: prompt tokens (BOS included)
   min_bucket: int = 16
   seed: int = 0
-
-
-def bucket_length(n: int, cap: int, min_bucket: int = 16) -> int:
-  """Padded width for a longest row of n tokens: next power of two >= min_bucket, at most cap."""
-  if n > cap:
-    raise ValueError(f"a row of {n} tokens exceeds the cap {cap}; truncate before bucketing")
-  return min(cap, max(min_bucket, 1 << max(n - 1, 0).bit_length()))
-
-
-def pad_rows(rows: Sequence[Sequence[int]], width: int,
-             pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-pad rows to [len(rows), width]; returns (tokens int32, lengths int32)."""
-  tokens = np.full((len(rows), width), pad_id, np.int32)
-  for i, row in enumerate(rows):
-    tokens[i, :len(row)] = row
-  return tokens, np.asarray([len(r) for r in rows], np.int32)
 
 
 class Source:
@@ -103,12 +87,12 @@ class Source:
     """(prompt ids, target ids) of one example, truncated, with BOS/EOS as documented above."""
     tok, cfg = self.tokenizer, self.config
     if self.task.kind == "lm":
-      ids = [tok.bos_id] + tok.encode(inp)
+      ids = prompting.encode(tok, inp, encoder_decoder=False)
       k = max(1, min(cfg.lm_prompt_len, len(ids) - 1))
       rest = ids[k:]
       tail = rest[:cfg.max_target_len] if len(rest) >= cfg.max_target_len else rest + [tok.eos_id]
       return ids[:k], tail
-    prompt = tok.encode(inp)[:cfg.max_prompt_len - 1] + [tok.eos_id]
+    prompt = prompting.encode(tok, inp, encoder_decoder=True, cap=cfg.max_prompt_len)
     return prompt, tok.encode(target)[:cfg.max_target_len - 1] + [tok.eos_id]
 
   def batch(self, step: int, split: str = "train", shard: tuple[int, int] = (0, 1)) -> Batch:
@@ -123,12 +107,10 @@ class Source:
 
   def _collate(self, pairs: list[tuple[list[int], list[int]]]) -> Batch:
     pad, cfg = self.tokenizer.pad_id, self.config
-    width = bucket_length(max(len(p) for p, _ in pairs), self.prompt_cap, cfg.min_bucket)
-    prompt, lengths = pad_rows([p for p, _ in pairs], width, pad)
-    targets, target_len = pad_rows([t for _, t in pairs], cfg.max_target_len, pad)
+    prompt = prompting.batch([p for p, _ in pairs], pad, self.prompt_cap, cfg.min_bucket)
+    targets, target_len = prompting.pad_rows([t for _, t in pairs], cfg.max_target_len, pad)
     mask = np.arange(cfg.max_target_len)[None, :] < target_len[:, None]           # [B, L]
-    return Batch(prompt=Prompt(tokens=jnp.asarray(prompt), lengths=jnp.asarray(lengths)),
-                 targets=jnp.asarray(targets), mask=jnp.asarray(mask))
+    return Batch(prompt=prompt, targets=jnp.asarray(targets), mask=jnp.asarray(mask))
 
   def eval_examples(self, split: str = "validation", n: int | None = None) -> list[tuple[str, str]]:
     """(prompt_text, reference_text) of the first n examples of `split`, in `batch(step, split)`
@@ -153,28 +135,17 @@ class Source:
     for step in range(math.ceil(total / size)):
       yield self.batch(step, split), pairs[step * size:(step + 1) * size]
 
-  def encode_prompts(self, texts: Sequence[str]) -> Prompt:
-    """User prompts -> bucketed Prompt (lm: BOS + text; seq2seq: text + EOS), cut to the cap."""
-    tok, cap = self.tokenizer, self.config.max_prompt_len
-    if self.task.kind == "lm":
-      rows = [([tok.bos_id] + tok.encode(t))[:cap] for t in texts]
-    else:
-      rows = [tok.encode(t)[:cap - 1] + [tok.eos_id] for t in texts]
-    width = bucket_length(max(map(len, rows)), cap, self.config.min_bucket)
-    tokens, lengths = pad_rows(rows, width, tok.pad_id)
-    return Prompt(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths))
+  def encode_prompts(self, texts: Sequence[str]) -> prompting.Prompt:
+    """User prompts -> bucketed Prompt in this task's format (models.prompting), cut to the cap."""
+    rows = [prompting.encode(self.tokenizer, t, encoder_decoder=self.task.kind == "seq2seq",
+                             cap=self.prompt_cap) for t in texts]
+    return prompting.batch(rows, self.tokenizer.pad_id, self.prompt_cap, self.config.min_bucket)
 
   def decode_outputs(self, tokens, lengths=None) -> list[str]:
     """Generated ids [B, N] -> texts, each row cut at its length and at its first EOS."""
     rows = np.asarray(tokens).tolist()
-    lengths = [len(r) for r in rows] if lengths is None else np.asarray(lengths).tolist()
-    out = []
-    for row, length in zip(rows, lengths):
-      row = row[:length]
-      if self.tokenizer.eos_id in row:
-        row = row[:row.index(self.tokenizer.eos_id)]
-      out.append(self.tokenizer.decode(row))
-    return out
+    lengths = [None] * len(rows) if lengths is None else np.asarray(lengths).tolist()
+    return [prompting.decode(self.tokenizer, row, n) for row, n in zip(rows, lengths)]
 
 
 def make_source(task: str, tokenizer: str, config: SourceConfig = SourceConfig(), *,

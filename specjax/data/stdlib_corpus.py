@@ -31,6 +31,7 @@ the result is cached as gzipped JSON under `cache_dir()`.
 
 from __future__ import annotations
 
+import logging
 import ast
 import dataclasses
 import gzip
@@ -45,6 +46,8 @@ import time
 import warnings
 
 from specjax.data.cache import atomic_write_bytes, cache_dir, settings_key
+
+log = logging.getLogger(__name__)
 
 EXTRACT_VERSION = 2                # bump on any change to the extraction below
 SPLITS = ("train", "validation", "test")
@@ -269,7 +272,8 @@ def load_corpus(verbose: bool = True) -> Corpus:
     blob = json.dumps(dataclasses.asdict(corpus)).encode()
     atomic_write_bytes(path, gzip.compress(blob, compresslevel=6, mtime=0))
     if verbose:
-      print(f"specjax: extracted the stdlib corpus ({corpus.files} files, {len(corpus.lm)} chunks, "
-            f"{len(corpus.summaries)} summaries) in {time.perf_counter() - start:.1f}s -> {path}")
+      log.info("extracted the stdlib corpus (%d files, %d chunks, %d summaries) in %.1fs -> %s",
+               corpus.files, len(corpus.lm), len(corpus.summaries), time.perf_counter() - start,
+               path)
   _MEMO[key] = corpus
   return corpus

@@ -20,6 +20,7 @@ call with the same settings loads it (`stdlib_tokenizer`, `get_tokenizer`).
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import io
 import json
@@ -32,6 +33,8 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from specjax.data.cache import atomic_write_bytes, cache_dir, settings_key
+
+log = logging.getLogger(__name__)
 
 PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
 MODEL_TYPES = ("unigram", "bpe")
@@ -210,12 +213,12 @@ def stdlib_tokenizer(model_type: str = "unigram", vocab_size: int = 8000, *,
   if not path.exists():
     texts = _take_chars(corpus.lm_split("train"), max_chars)
     if verbose:
-      print(f"specjax: training SentencePiece {model_type} vocab={vocab_size} on {len(texts)} "
-            f"texts ({sum(map(len, texts)) / 1e6:.1f} MB) ...", flush=True)
+      log.info("training SentencePiece %s vocab=%d on %d texts (%.1f MB) ...", model_type,
+               vocab_size, len(texts), sum(map(len, texts)) / 1e6)
     start = time.perf_counter()
     train_sentencepiece(texts, path, model_type=model_type, vocab_size=vocab_size)
     if verbose:
-      print(f"specjax: tokenizer trained in {time.perf_counter() - start:.1f}s -> {path}")
+      log.info("tokenizer trained in %.1fs -> %s", time.perf_counter() - start, path)
   return Tokenizer.load(path)
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from specjax import sampling
 from specjax.decoding.state import Generation, SpecState, SpecStats, finish
 from specjax.models import Prompt
-from specjax.models import kv_cache
+from specjax.models import kv_cache, prompting
 
 
 def eos_value(eos_id: int | None) -> int:
@@ -29,15 +29,6 @@ def check_lengths(max_new_tokens: int, prompt: Prompt) -> None:
   if prompt.tokens.ndim != 2 or prompt.lengths.shape != prompt.tokens.shape[:1]:
     raise ValueError(f"prompt.tokens must be [B, P] and prompt.lengths [B]; got "
                      f"{prompt.tokens.shape} and {prompt.lengths.shape}")
-
-
-def prefix_len(model, prompt: Prompt) -> int:
-  """Cache entries the prompt stream may occupy: the padded prompt, or T5's decoder start token."""
-  return 1 if model.is_encoder_decoder else int(prompt.tokens.shape[1])
-
-
-def enc_len(model, prompt: Prompt) -> int:
-  return int(prompt.tokens.shape[1]) if model.is_encoder_decoder else 0
 
 
 def decoder_start_id(model) -> int:
@@ -65,7 +56,7 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   (default: just enough); checked on the host before anything is compiled.
   """
   check_lengths(max_new_tokens, prompt)
-  need = prefix_len(model, prompt) + max_new_tokens      # done rows still extend by one
+  need = prompting.prefix_len(model, prompt) + max_new_tokens      # done rows still extend by one
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, "prompt + max_new_tokens")
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
@@ -82,7 +73,7 @@ def _run(model, warp, eos, max_new, max_len, params, prompt, keys) -> SpecState:
 
 def _init(model, warp, eos, max_new, max_len, params, prompt, keys) -> SpecState:
   batch = prompt.tokens.shape[0]
-  cache = model.init_cache(batch, max_len, enc_len(model, prompt))
+  cache = model.init_cache(batch, max_len, prompting.enc_len(model, prompt))
   logits, _, cache = model.prefill(params, prompt, cache)                # [B, V]
   first = warp.sample(logits, sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32)))
   ones = jnp.ones((batch,), jnp.int32)

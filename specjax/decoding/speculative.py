@@ -30,7 +30,7 @@ from specjax.acceptance import base, registry
 from specjax.decoding import autoregressive as ar
 from specjax.decoding.state import Generation, SpecState, SpecStats, finish
 from specjax.models import Prompt
-from specjax.models import kv_cache
+from specjax.models import kv_cache, prompting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +100,8 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
   # (g == max_new) are still computed: base + max_new + gamma covers every write of both models.
   # A draft with another vocabulary may need up to `width` draft tokens per committed token.
   width = rule.draft_image_width
-  need = max(ar.prefix_len(target, prompt) + max_new_tokens,
-             ar.prefix_len(draft, dprompt) + max_new_tokens * width) + gamma
+  need = max(prompting.prefix_len(target, prompt) + max_new_tokens,
+             prompting.prefix_len(draft, dprompt) + max_new_tokens * width) + gamma
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
   return Setup(target=target, draft=draft, rule=rule, gamma=gamma, max_new=max_new_tokens,
@@ -131,10 +131,10 @@ def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
   """Prefill both models; the first token comes from the target's prefill logits."""
   target, draft = setup.target, setup.draft
   batch = prompt.tokens.shape[0]
-  tcache = target.init_cache(batch, setup.max_len, ar.enc_len(target, prompt))
+  tcache = target.init_cache(batch, setup.max_len, prompting.enc_len(target, prompt))
   logits, _, tcache = target.prefill(target_params, prompt, tcache)      # [B, V]
   first = setup.warp.sample(logits, sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32)))
-  dcache = draft.init_cache(batch, setup.max_len, ar.enc_len(draft, draft_prompt))
+  dcache = draft.init_cache(batch, setup.max_len, prompting.enc_len(draft, draft_prompt))
   _, _, dcache = draft.prefill(draft_params, draft_prompt, dcache)
   anchors = Anchors(target_base=tcache.lengths, draft_base=dcache.lengths,
                     draft_anchor=ar.stream_anchor(draft, draft_prompt))
@@ -158,7 +158,7 @@ def block(setup: Setup, target_params, draft_params, anchors: Anchors, s: SpecSt
                                               sampling.fold_rows(block_keys, 1))
   n = jnp.minimum(n, d.draft_len)
   s = s.replace(target_cache=tcache, draft_cache=d.cache,
-                rule_state=_select_rows(live, rule_state, s.rule_state))
+                rule_state=setup.rule.select_rows(live, rule_state, s.rule_state))
   return _commit(setup, anchors, s, live, d, n, next_token)
 
 
@@ -167,7 +167,7 @@ def verify_widths(setup: Setup) -> tuple[int, ...]:
   stop early (AdaSD, window up to 20) get power-of-two buckets, so that a block whose longest
   draft is 3 runs a 4-token pass, not a 21-token one (a pass's cost grows with its width on CPU)."""
   full = setup.gamma + 1
-  if _fixed_length(setup.rule):
+  if not setup.rule.variable_length:
     return (full,)
   return tuple(sorted({min(2 ** i, full) for i in range(1, full.bit_length() + 1)}))
 
@@ -180,7 +180,7 @@ def _verify(setup: Setup, params, s: SpecState, d: _Drafts, live, keys):
   lax.switch over static widths): row results do not depend on the width (the rule's uniforms are
   per draft, see base.verify_streams), so batch rows still equal single-row runs.
   """
-  drafts = jnp.minimum(d.tokens, setup.target.vocab_size - 1)            # union's sentinel
+  drafts = setup.rule.to_target_ids(d.tokens)                           # [B, K]
   feed = jnp.concatenate([s.last_two[:, 1:], drafts], axis=1)            # [B, K+1]
   full = feed.shape[1]
 
@@ -240,7 +240,7 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
               q_logp=jnp.zeros((batch, K, vocab), jnp.float32),
               draft_len=jnp.zeros((batch,), jnp.int32), active=live,
               passes=live.astype(jnp.int32), cache=cache)
-  fixed = _fixed_length(rule)
+  fixed = not rule.variable_length
   unrolled = fixed and K <= UNROLL_MAX_GAMMA
   # Variable windows stop where nothing more could be committed: the block also emits a
   # correction or bonus token (AdaSD's K = min(K_max, N_max - len - 1), papers/adasd.md §2).
@@ -261,13 +261,6 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
 
 
 UNROLL_MAX_GAMMA = 8   # longer fixed-length draft loops stay rolled (compile time)
-
-
-def _fixed_length(rule: base.Rule) -> bool:
-  """True when the rule keeps the base class's drafting hooks: every row drafts gamma tokens."""
-  cls = type(rule)
-  return (cls.keep_drafting is base.Rule.keep_drafting
-          and cls.stop_after is base.Rule.stop_after)
 
 
 def _draft_feed(rule, anchors: Anchors, s: SpecState):
@@ -359,15 +352,6 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
       tokens=s.tokens.at[rows, write_at].set(out, mode="drop"), lengths=lengths, done=done,
       last_two=last_two, stats=stats,
       target_cache=kv_cache.rollback(s.target_cache, anchors.target_base + lengths - 1))
-
-
-def _select_rows(live: jax.Array, new, old):
-  """Keep the old rule_state of rows that are done (leaves with a leading [B] axis)."""
-  def pick(a, b):
-    if a.ndim == 0 or a.shape[0] != live.shape[0]:
-      return a
-    return jnp.where(live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-  return jax.tree_util.tree_map(pick, new, old)
 
 
 _init_jit = jax.jit(init, static_argnums=0)

@@ -33,7 +33,7 @@ import numpy as np
 
 from specjax import sampling
 from specjax.decoding.state import SpecStats
-from specjax.models import kv_cache
+from specjax.models import kv_cache, prompting
 
 MAX_CANDIDATES = 31          # a verify pass covers at most this many candidates (bucket 32)
 
@@ -121,13 +121,6 @@ class Backend(Protocol):
     """[V_T] warped log p(.|x_t) (SLRS)."""
 
 
-def _bucket(n: int, minimum: int = 8) -> int:
-  width = minimum
-  while width < n:
-    width *= 2
-  return width
-
-
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
   n = 0
   for x, y in zip(a, b):
@@ -210,7 +203,7 @@ class ModelBackend:
     seen, cache = (self.t_seen, self.t_cache) if which == "t" else (self.d_seen, self.d_cache)
     c = min(_common(seen, stream), len(stream) - 1)
     fed = list(stream[c:]) + list(extra)
-    width = _bucket(len(fed))
+    width = prompting.bucket(len(fed), minimum=8)
     kv_cache.check_capacity(c + width, self.max_len, "string-level stream + padded block "
                             "(pass a larger max_len)")
     feed = jnp.asarray([fed + [0] * (width - len(fed))], jnp.int32)
@@ -243,7 +236,8 @@ class ModelBackend:
   def draft_logprobs(self, x_d, paths):
     self._sync("d", x_d[:-1]) if len(x_d) > 1 else None
     rows = [[x_d[-1]] + list(p) for p in paths]
-    n, width = _bucket(len(rows), 1), _bucket(max(map(len, rows)), 1)
+    n = prompting.bucket(len(rows), minimum=1)
+    width = prompting.bucket(max(map(len, rows)), minimum=1)
     kv_cache.check_capacity(len(x_d) - 1 + width, self.max_len, "SLRS trie path")
     feed = np.zeros((n, width), np.int32)
     count = np.ones((n,), np.int32)
@@ -426,12 +420,6 @@ class StringGeneration:
   stats: SpecStats        # [1] per field, as the jitted loops report
 
 
-def prompt_ids(tok, text: str) -> list[int]:
-  """BOS (when the tokenizer has one) + the text's ids: what specjax.runner feeds a decoder."""
-  bos = getattr(tok, "bos_id", None)
-  return ([bos] if bos is not None and bos >= 0 else []) + list(tok.encode(text))
-
-
 def run(backend: Backend, target_tok, draft_tok, x_t: list[int], x_d: list[int], *,
         method: str, gamma: int, max_new_tokens: int, eos_id: int | None, lookbehind: int = 10,
         max_depth: int = 3, rng=None, on_round: Callable[[Streams], None] | None = None
@@ -454,11 +442,13 @@ def run(backend: Backend, target_tok, draft_tok, x_t: list[int], x_d: list[int],
   return s
 
 
-def generate(target, target_params, target_tok, draft, draft_params, draft_tok, prompt_text: str,
-             key: jax.Array, *, method: str = "slem", gamma: int = 4, max_new_tokens: int = 32,
+def generate(target, target_params, target_tok, draft, draft_params, draft_tok, x_t: list[int],
+             x_d: list[int], key: jax.Array, *, method: str = "slem", gamma: int = 4,
+             max_new_tokens: int = 32,
              warp: sampling.Warp = sampling.Warp(), lookbehind: int = 10, max_depth: int = 3,
              eos_id: int | None = -1, max_len: int | None = None) -> StringGeneration:
-  """SLEM or SLRS generation of up to max_new_tokens target tokens after prompt_text (batch 1).
+  """SLEM or SLRS generation of up to max_new_tokens target tokens after one prompt (batch 1),
+  given as the target's and the draft's token lists (`models.prompting.encode` of the text).
 
   eos_id -1: the target tokenizer's EOS; None: no EOS. SLEM draws every emitted token with the
   autoregressive key of its position, so it equals autoregressive.generate with the same key
@@ -468,7 +458,7 @@ def generate(target, target_params, target_tok, draft, draft_params, draft_tok, 
   if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
     raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got {gamma!r}")
   eos_id = target_tok.eos_id if eos_id == -1 else eos_id
-  x_t, x_d = prompt_ids(target_tok, prompt_text), prompt_ids(draft_tok, prompt_text)
+  x_t, x_d = [int(t) for t in x_t], [int(t) for t in x_d]
   if not max_len:    # room for a draft stream ~3x the target's; capped by position tables
     limits = [getattr(getattr(m, "config", None), "n_positions", None) for m in (target, draft)]
     max_len = min([max(len(x_t), len(x_d)) + 3 * max_new_tokens + gamma + 32]

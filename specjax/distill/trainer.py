@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +28,8 @@ from specjax.distill import data as data_lib
 from specjax.distill import losses as losses_lib
 from specjax.models import score
 
+log = logging.getLogger(__name__)
+
 
 @flax.struct.dataclass(kw_only=True)
 class TrainState:
@@ -38,7 +41,7 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """Everything the loop needs; built from the ConfigDict at the edge (`from_config`)."""
+  """Everything the loop needs; built from the config at the edge (specjax.app.builders)."""
   steps: int = 300_000
   batch_size: int = 32
   learning_rate: float = 3e-4
@@ -120,33 +123,14 @@ def check_vocab(student, teacher) -> None:
         f"tokenizer (same vocab_size), or the cross-vocabulary rules for decoding only.")
 
 
-def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
-  """jax.distributed.initialize before any computation; on TPU pods all arguments may be None."""
-  if jax.distributed.is_initialized():
-    return
-  try:   # CPU processes (tests, dev boxes) need a collectives backend; harmless on TPU/GPU
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  except (AttributeError, ValueError):
-    pass
-  kwargs = {k: v for k, v in dict(coordinator_address=coordinator, num_processes=num_processes,
-                                  process_id=process_id).items() if v is not None}
-  jax.distributed.initialize(**kwargs)
-
-
 class MetricsLog:
-  """metrics.jsonl (one JSON per logged step) plus a rich console line; process 0 only."""
+  """metrics.jsonl (one JSON per logged step), and each record to `show` (default: the log);
+  process 0 only. The app layer passes a progress display as `show`."""
 
-  def __init__(self, workdir: Path, total: int, progress: bool):
+  def __init__(self, workdir: Path, show: Callable[[dict], None] | None = None):
     self.active = jax.process_index() == 0
     self.path = Path(workdir) / "metrics.jsonl"
-    self.progress = None
-    if self.active and progress:
-      from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-      self.progress = Progress("[bold]train", BarColumn(), MofNCompleteColumn(),
-                               TimeRemainingColumn(), "{task.description}")
-      self.task = self.progress.add_task("", total=total)
-      self.progress.start()
+    self.show = show or (lambda record: log.info("%s", format_record(record)))
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.active:
@@ -154,17 +138,11 @@ class MetricsLog:
     record = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
-    text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in record.items())
-    if self.progress is not None:
-      self.progress.update(self.task, completed=step, description=text)
-      self.progress.console.print(text)
-    else:
-      print(text, flush=True)
+    self.show(record)
 
-  def close(self) -> None:
-    if self.progress is not None:
-      self.progress.stop()
+
+def format_record(record: dict) -> str:
+  return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
 
 
 def _scalar(v):
@@ -187,6 +165,7 @@ class Trainer:
   model_desc: str = ""
   eval_fn: Callable[[int, TrainState], dict] | None = None
   mesh: Any = None
+  show: Callable[[dict], None] | None = None   # each logged record (default: the log)
 
   def __post_init__(self):
     cfg = self.cfg
@@ -257,7 +236,7 @@ class Trainer:
       return self.init_state(params)
     state, meta = restored
     if jax.process_index() == 0:
-      print(f"resuming from {ckpt.workdir} at step {meta['step']}", flush=True)
+      log.info("resuming from %s at step %d", ckpt.workdir, meta["step"])
     return TrainState(**state)
 
   def run(self, student_params, teacher_params=None,
@@ -271,7 +250,7 @@ class Trainer:
     if teacher_params is not None:
       teacher_params = jax.device_put(teacher_params,
                                       sharding.param_shardings(teacher_params, self.mesh))
-    log = MetricsLog(self.workdir, cfg.steps, cfg.progress)
+    metrics_log = MetricsLog(self.workdir, self.show)
     step_fn, window = None, _Window()
     meta = {"model": self.model_desc, "config": dataclasses.asdict(cfg)}
     try:
@@ -290,7 +269,7 @@ class Trainer:
           extra = self.eval_fn(done, state)
           window.start += time.perf_counter() - started      # tokens/s counts training only
         if done % cfg.log_every == 0 or done == cfg.steps or extra:
-          log.write(done, {**metrics, **extra, "source": source,
+          metrics_log.write(done, {**metrics, **extra, "source": source,
                            "tokens_per_s": window.rate(metrics["loss"])})
         ckpt.save(done, _as_dict(state), dict(meta, data_step=done))
         if on_step is not None:
@@ -298,7 +277,6 @@ class Trainer:
       if ckpt.latest_step() != cfg.steps:
         ckpt.save(cfg.steps, _as_dict(state), dict(meta, data_step=cfg.steps), force=True)
     finally:
-      log.close()
       ckpt.close()
     return state
 
@@ -347,105 +325,3 @@ def on_policy_eval(trainer: Trainer, batch, teacher_params, key) -> Callable[[in
     value = float(tvd(trainer.student, trainer.teacher, state.params, teacher_params, sampled))
     return {"eval_tvd": value, "eval_accept": 1.0 - value}
   return hook
-
-
-# -- config (ConfigDict) -> objects, at the edge -------------------------------------------------
-
-def train_config(config, pretrain: bool = False) -> TrainConfig:
-  """TrainConfig from the `train`, `distill` and `mesh` sections (`pretrain` section for NLL)."""
-  t, m = config.train, config.mesh
-  fields = {f.name for f in dataclasses.fields(TrainConfig)}
-  values = {k: v for k, v in t.items() if k in fields}
-  unknown = sorted(set(t.keys()) - fields)
-  if unknown:
-    raise ValueError(f"unknown train config fields {unknown}; known: {sorted(fields)}")
-  values.update(mesh_data=int(m.data), mesh_model=int(m.model))
-  if pretrain:
-    values.update({k: v for k, v in config.pretrain.items() if k in fields})
-    values.update(loss="nll", lambda1=1.0, lambda2=0.0)
-    return TrainConfig(**values)
-  d = config.distill
-  if d.get("recipe"):
-    r = data_lib.recipe(d.recipe)
-    values.update(loss=r.loss, lambda1=r.lambda1, lambda2=r.lambda2)
-  else:
-    values.update(loss=d.loss, lambda1=float(d.lambda1), lambda2=float(d.lambda2))
-  values.update(beta=float(d.get("beta", 0.5)), temperature=float(d.get("temperature", 1.0)))
-  return TrainConfig(**values)
-
-
-def build_model(section, role: str, seed: int):
-  """(model, params) from a config section: an HF `checkpoint`, else `arch` + fields with random
-  init; `init_from=WORKDIR` then loads the params a specjax training run exported there."""
-  if section.get("checkpoint"):
-    from specjax import loading
-    loaded = loading.load(section, role)
-    model, params = loaded.model, loaded.params
-  else:
-    model = _model_from_fields(section)
-    params = model.init_params(jax.random.PRNGKey(seed))
-  if section.get("init_from"):
-    params = ckpt_lib.load_params(section.init_from, params)
-  return model, params
-
-
-def _model_from_fields(section):
-  arch = section.get("arch", "decoder")
-  fields = {k: v for k, v in section.items()
-            if k not in ("arch", "preset", "checkpoint", "init_from")}
-  if arch == "decoder":
-    from specjax.models import decoder
-    if section.get("preset"):
-      return decoder.Decoder(decoder.lm1b_config(section.preset, **fields))
-    return decoder.Decoder(decoder.DecoderConfig(**fields))
-  if arch == "t5":
-    from specjax.models import t5
-    return t5.T5(t5.T5Config(**fields))
-  raise ValueError(f"unknown model arch '{arch}'; use decoder or t5 (or set checkpoint)")
-
-
-def build_source(data_config, batch_size: int):
-  """The dataset: `markov` (seeded synthetic, offline) or `task` (specjax.data: a named task,
-  e.g. stdlib_lm / stdlib_sum, under `tokenizer`, e.g. 'stdlib:unigram:8000')."""
-  kind = data_config.get("source", "markov")
-  if kind == "markov":
-    return data_lib.MarkovSource(int(data_config.vocab_size), batch_size,
-                                 int(data_config.prompt_len), int(data_config.target_len),
-                                 int(data_config.get("seed", 0)))
-  if kind == "task":
-    from specjax.data import source, tasks, tokenizer
-    tok = tokenizer.get_tokenizer(data_config.tokenizer)
-    if tok.vocab_size > int(data_config.vocab_size):
-      raise ValueError(f"tokenizer {data_config.tokenizer} has {tok.vocab_size} ids but the "
-                       f"models have vocab_size {data_config.vocab_size}: raise the models' "
-                       f"vocab_size (and data.vocab_size) to at least {tok.vocab_size}")
-    cfg = source.SourceConfig(batch_size=batch_size, max_prompt_len=int(data_config.prompt_len),
-                              max_target_len=int(data_config.target_len),
-                              lm_prompt_len=int(data_config.prompt_len),
-                              seed=int(data_config.get("seed", 0)))
-    return source.Source(tasks.get_task(data_config.task), tok, cfg)
-  raise ValueError(f"unknown data source '{kind}'; use markov or task")
-
-
-def run_from_config(config, workdir: str, pretrain: bool = False) -> TrainState:
-  """What train/pretrain.py and train/distill.py call: config -> models, data -> Trainer.run."""
-  dist = config.get("distributed")
-  if dist and dist.get("enabled"):
-    initialize_distributed(dist.get("coordinator") or None, dist.get("num_processes") or None,
-                           dist.get("process_id") if dist.get("process_id", -1) >= 0 else None)
-  cfg = train_config(config, pretrain)
-  role = config.pretrain.model if pretrain else "draft"
-  student, student_params = build_model(config[role], role, cfg.seed)
-  teacher, teacher_params = ((None, None) if pretrain
-                             else build_model(config.target, "target", cfg.seed + 1))
-  source = build_source(config.data, cfg.batch_size)
-  Path(workdir).mkdir(parents=True, exist_ok=True)
-  trainer = Trainer(cfg, student, teacher, source, Path(workdir), eos_id=int(config.data.eos_id),
-                    pad_id=int(config.data.get("pad_id", 0)), model_desc=repr(student))
-  if cfg.eval_every and teacher is not None:
-    eval_batch = source.batch(10**9)
-    trainer.eval_fn = on_policy_eval(trainer, eval_batch, teacher_params,
-                                     jax.random.PRNGKey(cfg.seed + 7))
-  state = trainer.run(student_params, teacher_params)
-  ckpt_lib.save_params(workdir, state.params)
-  return state

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from specjax.models import kv_cache
+from specjax.models import kv_cache, prompting
+from specjax.models.prompting import Prompt  # noqa: F401  (the contract's input type)
 
 
 class ModelBase:
@@ -59,22 +58,6 @@ class ModelBase:
     return logits, hidden, kv_cache.append(cache, k, v)
 
 
-@flax.struct.dataclass(kw_only=True)
-class Prompt:
-  tokens: jax.Array    # [B, P] int32, right-padded
-  lengths: jax.Array   # [B] int32, >= 1
-
-  @classmethod
-  def from_lists(cls, rows: list[list[int]], pad_to: int | None = None, pad_id: int = 0) -> "Prompt":
-    if any(len(r) == 0 for r in rows):
-      raise ValueError("empty prompt: every prompt needs at least one token")
-    width = pad_to or max(len(r) for r in rows)
-    arr = np.full((len(rows), width), pad_id, np.int32)
-    for i, r in enumerate(rows):
-      arr[i, :len(r)] = r
-    return cls(tokens=jnp.asarray(arr), lengths=jnp.asarray([len(r) for r in rows], jnp.int32))
-
-
 def score(model, params, prompt: Prompt, targets: jax.Array):
   """Teacher-forced logits through the decoding path: prefill, then one extend over targets[:, :-1].
 
@@ -82,9 +65,8 @@ def score(model, params, prompt: Prompt, targets: jax.Array):
   targets[:, :t]. Used by training and scoring so that they share the model code with decoding.
   """
   batch, length = targets.shape
-  prefix = 1 if model.is_encoder_decoder else prompt.tokens.shape[1]
-  enc_len = prompt.tokens.shape[1] if model.is_encoder_decoder else 0
-  cache = model.init_cache(batch, prefix + length, enc_len)
+  cache = model.init_cache(batch, prompting.prefix_len(model, prompt) + length,
+                           prompting.enc_len(model, prompt))
   first_logits, first_hidden, cache = model.prefill(params, prompt, cache)
   if length == 1:
     return first_logits[:, None], first_hidden[:, None]

@@ -90,12 +90,15 @@ def positions(lengths: jax.Array, num_new: int) -> jax.Array:
 
 
 class CacheOverflowError(ValueError):
-  pass
+  """A sequence longer than the cache; carries `needed`, `capacity` and `what`."""
+
+  def __init__(self, needed: int, capacity: int, what: str):
+    super().__init__(f"{what} needs {needed} cache positions but the cache holds {capacity}: "
+                     f"use a larger cache, or a shorter prompt / fewer new tokens")
+    self.needed, self.capacity, self.what = needed, capacity, what
 
 
 def check_capacity(needed: int, capacity: int, what: str = "sequence") -> None:
   """Host-side guard: dynamic_update_slice clamps silently, so overflow must be refused up front."""
   if needed > capacity:
-    raise CacheOverflowError(
-        f"{what} needs {needed} cache positions but the cache holds {capacity}: raise "
-        f"--config.decode.max_len (or shorten the prompt / max_new_tokens).")
+    raise CacheOverflowError(needed, capacity, what)

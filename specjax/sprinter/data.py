@@ -21,8 +21,7 @@ import numpy as np
 
 from specjax import sampling
 from specjax.data.batch import Batch
-from specjax.decoding import autoregressive as ar
-from specjax.models import Prompt
+from specjax.models import Prompt, prompting
 
 GROUPS = ("text", "draft", "target", "mixed")
 
@@ -55,7 +54,7 @@ def rollout(target, target_params, draft, draft_params, prompt: Prompt, text: ja
   if target.vocab_size != draft.vocab_size:
     raise ValueError(f"draft vocab {draft.vocab_size} != target vocab {target.vocab_size}: the "
                      f"ratio label q(x)/p(x) needs one vocabulary")
-  need = max(ar.prefix_len(target, prompt), ar.prefix_len(draft, prompt)) + data.cont_len + 1
+  need = max(prompting.prefix_len(target, prompt), prompting.prefix_len(draft, prompt)) + data.cont_len + 1
   setup = _Rollout(target=target, draft=draft, warp=warp, data=data, max_len=need)
   return _rollout(setup, target_params, draft_params, prompt, text, group, key)
 
@@ -64,8 +63,8 @@ def rollout(target, target_params, draft, draft_params, prompt: Prompt, text: ja
 def _rollout(setup: _Rollout, tparams, dparams, prompt, text, group, key):
   target, draft, warp, data = setup.target, setup.draft, setup.warp, setup.data
   batch = prompt.tokens.shape[0]
-  tcache = target.init_cache(batch, setup.max_len, ar.enc_len(target, prompt))
-  dcache = draft.init_cache(batch, setup.max_len, ar.enc_len(draft, prompt))
+  tcache = target.init_cache(batch, setup.max_len, prompting.enc_len(target, prompt))
+  dcache = draft.init_cache(batch, setup.max_len, prompting.enc_len(draft, prompt))
   p_logits, _, tcache = target.prefill(tparams, prompt, tcache)
   q_logits, h, dcache = draft.prefill(dparams, prompt, dcache)
   rows = sampling.row_keys(key, batch)

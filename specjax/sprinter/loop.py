@@ -38,7 +38,7 @@ from specjax import sampling
 from specjax.acceptance import base
 from specjax.decoding import autoregressive as ar
 from specjax.decoding.state import STAT_FIELDS, Generation, SpecStats, finish
-from specjax.models import Prompt
+from specjax.models import Prompt, prompting
 from specjax.models import kv_cache
 
 # SprinterStats' counters beyond SpecStats (what a report lists for SPRINTER runs).
@@ -148,7 +148,7 @@ def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_
   # run_len <= g <= max_new - 1 at any step, so a cap of max_new never binds.
   cap = max_new_tokens if gamma_max is None else min(int(gamma_max), max_new_tokens)
   width = min(cap, max_new_tokens - 1) + 1
-  need = max(ar.prefix_len(target, prompt), ar.prefix_len(draft, prompt)) + max_new_tokens + width
+  need = max(prompting.prefix_len(target, prompt), prompting.prefix_len(draft, prompt)) + max_new_tokens + width
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma_max + 1 ({width})")
   return Setup(target=target, draft=draft, verifier=verifier, threshold=float(threshold),
@@ -171,10 +171,10 @@ def init(setup: Setup, params, prompt: Prompt, keys: jax.Array) -> tuple[SeqStat
   target, draft = setup.target, setup.draft
   tparams, dparams, _ = params
   batch = prompt.tokens.shape[0]
-  tcache = target.init_cache(batch, setup.max_len, ar.enc_len(target, prompt))
+  tcache = target.init_cache(batch, setup.max_len, prompting.enc_len(target, prompt))
   _, _, tcache = target.prefill(tparams, prompt, tcache)
   anchors = Anchors(target_base=tcache.lengths, target_anchor=ar.stream_anchor(target, prompt))
-  dcache = draft.init_cache(batch, setup.max_len, ar.enc_len(draft, prompt))
+  dcache = draft.init_cache(batch, setup.max_len, prompting.enc_len(draft, prompt))
   q_logits, hidden, dcache = draft.prefill(dparams, prompt, dcache)       # [B, V], [B, D]
   ones = jnp.ones((batch,), jnp.int32)
   state = SeqState(

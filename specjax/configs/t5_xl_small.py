@@ -9,13 +9,13 @@ Hub ids resolve through the local Hugging Face cache only (no download at run ti
 
 import ml_collections
 
+from specjax.configs import common
+
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.target = ml_collections.ConfigDict(dict(checkpoint="google/t5-v1_1-xl", dtype="bfloat16"))
-  c.draft = ml_collections.ConfigDict(dict(checkpoint="google/t5-v1_1-small", dtype="bfloat16"))
-  c.rule = ml_collections.ConfigDict(dict(name="exact"))
-  c.decode = ml_collections.ConfigDict(dict(
-      gamma=5, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-      max_len=0, batch_size=1))
+  c.target = common.model("google/t5-v1_1-xl", "bfloat16")
+  c.draft = common.model("google/t5-v1_1-small", "bfloat16")
+  c.rule = common.rule("exact")
+  c.decode = common.decode(gamma=5, temperature=0.0)
   return c

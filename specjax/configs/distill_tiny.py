@@ -13,6 +13,8 @@ Recipes: --config.distill.recipe=seqkd|supkd|imitkd|f_distill|gkd (empty: loss/l
 
 import ml_collections
 
+from specjax.configs import common
+
 
 def get_config():
   c = ml_collections.ConfigDict()
@@ -33,7 +35,6 @@ def get_config():
       final_lr_ratio=0.1, optimizer="adafactor", seed=0, log_every=20, checkpoint_every=50,
       eval_every=50, async_checkpoint=True, progress=True))
   c.pretrain = ml_collections.ConfigDict(dict(model="target", steps=300, learning_rate=1e-2))
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
-  c.distributed = ml_collections.ConfigDict(dict(
-      enabled=False, coordinator="", num_processes=0, process_id=-1))
+  c.mesh = common.mesh(-1, 1)
+  c.distributed = common.distributed()
   return c

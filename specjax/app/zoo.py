@@ -18,8 +18,15 @@ import shutil
 from pathlib import Path
 
 import ml_collections as mlc
+from rich.console import Console
 
+from specjax.app import builders
+from specjax.app.fit import fit
 from specjax.data.cache import cache_dir
+from specjax.data.tokenizer import get_tokenizer
+from specjax.models import hf_import
+
+SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained checkpoints
 
 ROLES = ("target", "draft", "draft_distilled")   # built together, in this order
 EXTRA_ROLES = ("draft_other_vocab",)                 # built on demand: a draft on another tokenizer
@@ -121,18 +128,11 @@ def pair_dir_work(rec) -> Path:
 
 def build(name: str, stages=ROLES) -> None:
   """Train the tokenizer and each stage's model; export each as an HF-layout directory."""
-  from rich.console import Console
-
-  from specjax.data.tokenizer import get_tokenizer
-  from specjax.distill import trainer
-  from specjax.loading import SPM_FILE
-  from specjax.models import hf_import
-
   console = Console(stderr=True)
   rec = recipe(name)
   rec.name = name
   console.print(f"[bold]specjax: building the embedded pair '{name}' into {pair_dir(name)} "
-                f"(first use only; about 10-15 minutes on 2 CPU cores)")
+                f"(first use only; about 15 minutes on 2 CPU cores)")
   for stage in stages:
     out = pair_dir(name) / stage
     if (out / "config.json").exists():
@@ -140,12 +140,23 @@ def build(name: str, stages=ROLES) -> None:
     console.print(f"[bold]stage {stage}")
     config = _stage_config(rec, stage)
     tokenizer = get_tokenizer(config.data.tokenizer)
-    workdir = pair_dir_work(rec) / stage
-    state = trainer.run_from_config(config, str(workdir), pretrain=stage != "draft_distilled")
+    state = _train_stage(config, str(pair_dir_work(rec) / stage), stage)
     role = "target" if stage == "target" else "draft"
-    model, _ = trainer.build_model(config[role], role, 0)
+    model = builders.model_from_fields(builders.model_spec(config, role))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     hf_import.save_model(model, state.params, str(tmp))
     shutil.copy(tokenizer.path, tmp / SPM_FILE)
     tmp.rename(out)
+
+
+def _train_stage(config: mlc.ConfigDict, workdir: str, stage: str):
+  """Pretrain one model (NLL), or distill the pretrained draft towards the target."""
+  seed = builders.train_config(config).seed
+  if stage != "draft_distilled":
+    role = config.pretrain.model
+    return fit(config, workdir, builders.init_model(builders.model_spec(config, role), seed),
+               pretrain=True)
+  student = builders.init_model(builders.model_spec(config, "draft"), seed)
+  teacher = builders.init_model(builders.model_spec(config, "target"), seed + 1)
+  return fit(config, workdir, student, teacher)

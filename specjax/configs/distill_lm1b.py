@@ -11,6 +11,8 @@
 
 import ml_collections
 
+from specjax.configs import common
+
 
 def get_config():
   c = ml_collections.ConfigDict()
@@ -19,14 +21,9 @@ def get_config():
   c.data = ml_collections.ConfigDict(dict(
       source="markov", vocab_size=32128, prompt_len=128, target_len=128, seed=0, eos_id=1,
       pad_id=0))
-  c.distill = ml_collections.ConfigDict(dict(
-      recipe="f_distill", loss="tvd", beta=0.5, lambda1=0.0, lambda2=0.5, temperature=1.0))
-  c.train = ml_collections.ConfigDict(dict(
-      steps=300_000, batch_size=32, learning_rate=3e-4, warmup_steps=5_000, decay_start=150_000,
-      final_lr_ratio=0.1, optimizer="adafactor", seed=0, log_every=100, checkpoint_every=2_000,
-      eval_every=5_000, async_checkpoint=True, progress=True))
+  c.distill = common.distill(recipe="f_distill", loss="tvd", lambda2=0.5)
+  c.train = common.training()
   c.pretrain = ml_collections.ConfigDict(dict(model="target", steps=300_000, learning_rate=3e-4))
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
-  c.distributed = ml_collections.ConfigDict(dict(
-      enabled=False, coordinator="", num_processes=0, process_id=-1))
+  c.mesh = common.mesh(-1, 1)
+  c.distributed = common.distributed()
   return c

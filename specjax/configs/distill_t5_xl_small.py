@@ -12,6 +12,8 @@ Face cache (no download at run time): --config.target.checkpoint=/path/to/t5-v1_
 
 import ml_collections
 
+from specjax.configs import common
+
 
 def get_config():
   c = ml_collections.ConfigDict()
@@ -22,14 +24,9 @@ def get_config():
   c.data = ml_collections.ConfigDict(dict(
       source="markov", vocab_size=32128, prompt_len=1024, target_len=64, seed=0, eos_id=1,
       pad_id=0))
-  c.distill = ml_collections.ConfigDict(dict(
-      recipe="gkd", loss="fkl", beta=0.5, lambda1=0.0, lambda2=1.0, temperature=1.0))
-  c.train = ml_collections.ConfigDict(dict(
-      steps=300_000, batch_size=32, learning_rate=3e-4, warmup_steps=5_000, decay_start=150_000,
-      final_lr_ratio=0.1, optimizer="adafactor", seed=0, log_every=100, checkpoint_every=2_000,
-      eval_every=5_000, async_checkpoint=True, progress=True))
+  c.distill = common.distill(recipe="gkd")
+  c.train = common.training()
   c.pretrain = ml_collections.ConfigDict(dict(model="draft", steps=100_000, learning_rate=3e-4))
-  c.mesh = ml_collections.ConfigDict(dict(data=16, model=4))
-  c.distributed = ml_collections.ConfigDict(dict(
-      enabled=False, coordinator="", num_processes=0, process_id=-1))
+  c.mesh = common.mesh(16, 4)
+  c.distributed = common.distributed()
   return c

@@ -1,0 +1,285 @@
+"""Config sections -> typed objects, strictly: one conversion for every section.
+
+`typed(cls, values, where)` builds a frozen dataclass from a config mapping: a key that is not a
+field is refused with the list of known fields, and every value is converted to its field's
+annotated type (`int`, `float`, `bool`, `str`, tuples and unions of them) or refused with the flag
+that sets it. Nothing below the app layer sees a ConfigDict: the library receives what is built
+here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Mapping
+
+import jax
+
+from specjax import checkpoint as ckpt_lib
+from specjax.acceptance import registry
+from specjax.app.config import ConfigError
+from specjax.distill import data as distill_data
+from specjax.distill.trainer import TrainConfig
+from specjax.models import decoder, t5
+from specjax.sampling import Warp
+
+
+def typed(cls, values: Mapping[str, Any], where: str, **fixed):
+  """cls(**values, **fixed) with unknown keys refused and values typed by annotation."""
+  fields = {f.name for f in dataclasses.fields(cls) if f.init} - set(fixed)
+  unknown = sorted(set(values) - fields)
+  if unknown:
+    raise ConfigError(f"--config.{where}: unknown field(s) {', '.join(unknown)}; known fields: "
+                      f"{', '.join(sorted(fields)) or '(none)'}")
+  hints = typing.get_type_hints(cls)
+  kwargs = {k: coerce(v, hints[k], f"{where}.{k}") for k, v in values.items()}
+  try:
+    return cls(**kwargs, **fixed)
+  except (TypeError, ValueError) as err:
+    raise ConfigError(f"--config.{where}: {err}") from err
+
+
+def coerce(value, hint, where: str):
+  """value as an instance of the annotation `hint`, or a ConfigError naming the flag."""
+  origin = typing.get_origin(hint)
+  if hint is Any:
+    return value
+  if origin in (typing.Union, types.UnionType):
+    for option in typing.get_args(hint):
+      if option is type(None) and value is None:
+        return None
+      if option is not type(None):
+        try:
+          return coerce(value, option, where)
+        except ConfigError:
+          continue
+    raise ConfigError(f"--config.{where}={value!r} is not a {_name(hint)}")
+  if origin is tuple and isinstance(value, (list, tuple)):
+    args = typing.get_args(hint)
+    inner = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+    if len(inner) != len(value):
+      raise ConfigError(f"--config.{where}={value!r} needs {len(inner)} values")
+    return tuple(coerce(v, h, where) for v, h in zip(value, inner))
+  convert = _SCALARS.get(hint)
+  if convert is None:
+    if isinstance(hint, type) and not isinstance(value, hint):
+      raise ConfigError(f"--config.{where}={value!r} is not a {_name(hint)}")
+    return value
+  try:
+    return convert(value)
+  except (TypeError, ValueError):
+    raise ConfigError(f"--config.{where}={value!r} is not a {_name(hint)}") from None
+
+
+def _to_int(v) -> int:
+  if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+    raise ValueError(v)
+  return int(v) if isinstance(v, (int, float)) else int(str(v), 0)
+
+
+def _to_float(v) -> float:
+  if isinstance(v, bool):
+    raise ValueError(v)
+  return float(v)
+
+
+def _to_bool(v) -> bool:
+  if isinstance(v, bool):
+    return v
+  if str(v).lower() in ("true", "1", "yes"):
+    return True
+  if str(v).lower() in ("false", "0", "no"):
+    return False
+  raise ValueError(v)
+
+
+def _to_str(v) -> str:
+  if not isinstance(v, str):
+    raise ValueError(v)
+  return v
+
+
+_SCALARS = {int: _to_int, float: _to_float, bool: _to_bool, str: _to_str}
+
+
+def _name(hint) -> str:
+  return getattr(hint, "__name__", str(hint))
+
+
+def section(config, name: str) -> dict:
+  """A config section as a plain dict ({} when absent)."""
+  node = config.get(name) if hasattr(config, "get") else None
+  return dict(node.items()) if node is not None else {}
+
+
+# ----------------------------------------------------------------------------------- decoding
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """The `decode` section."""
+  gamma: int = 4                 # draft tokens per block
+  max_new_tokens: int = 64
+  temperature: float = 1.0       # 0: greedy
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  max_len: int = 0               # cache size of both models; 0: just enough
+  batch_size: int = 1
+  lookbehind: int = 10           # string-level rules: tokens re-encoded behind a draft
+
+  @property
+  def warp(self) -> Warp:
+    return Warp(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+def decode_settings(config) -> DecodeSettings:
+  return typed(DecodeSettings, section(config, "decode"), "decode")
+
+
+def rule(config, **fixed):
+  """The registered acceptance rule named by `rule.name`, its hyperparameters typed by its fields
+  (`fixed`: values built by the caller, such as a cross-vocabulary rule's VocabMap)."""
+  values = section(config, "rule")
+  name = values.pop("name", "")
+  cls = registry.rule_class(name)
+  return typed(cls, values, "rule", **fixed)
+
+
+# ------------------------------------------------------------------------------------- models
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """A model section (`target`, `draft`, ...): one schema for decoding and training.
+
+  checkpoint: a local Hugging Face directory, a hub id in the local HF cache, or builtin:PAIR/ROLE;
+  without one, `arch` and its fields (`fields`) describe a model trained from scratch.
+  init_from: a specjax training workdir whose exported params replace the initial ones."""
+  role: str
+  checkpoint: str = ""
+  dtype: str = "float32"
+  tokenizer: str = ""            # a tokenizer spec overriding the checkpoint's own
+  init_from: str = ""
+  arch: str = ""                 # decoder | t5 (models built from fields)
+  preset: str = ""               # decoder presets: target / draft (DistillSpec LM1B sizes)
+  fields: tuple = ()             # (name, value) architecture fields
+
+
+ARCHS = {"decoder": (decoder.DecoderConfig, decoder.Decoder), "t5": (t5.T5Config, t5.T5)}
+_SPEC_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} - {"role", "fields"}
+
+
+def model_spec(config, role: str) -> ModelSpec:
+  values = section(config, role)
+  if not values:
+    raise ConfigError(f"the config has no '{role}' section")
+  own = {k: v for k, v in values.items() if k in _SPEC_KEYS}
+  arch_fields = tuple(sorted((k, v) for k, v in values.items() if k not in _SPEC_KEYS))
+  spec = typed(ModelSpec, own, role, role=role, fields=arch_fields)
+  if arch_fields and not spec.arch:
+    raise ConfigError(f"--config.{role}: unknown field(s) {', '.join(k for k, _ in arch_fields)};"
+                      f" known fields: {', '.join(sorted(_SPEC_KEYS))} (architecture fields "
+                      f"need arch=decoder or arch=t5)")
+  return spec
+
+
+def model_from_fields(spec: ModelSpec):
+  """The model a spec without checkpoint describes (`arch` + fields, or a decoder preset)."""
+  if spec.arch not in ARCHS:
+    raise ConfigError(f"--config.{spec.role}.arch={spec.arch!r}: use one of "
+                      f"{', '.join(ARCHS)} (or set --config.{spec.role}.checkpoint)")
+  config_cls, model_cls = ARCHS[spec.arch]
+  fields = dict(spec.fields)
+  if spec.preset:
+    if spec.arch != "decoder":
+      raise ConfigError(f"--config.{spec.role}.preset applies to arch=decoder only")
+    base = dataclasses.asdict(decoder.lm1b_config(spec.preset))
+    return model_cls(typed(config_cls, {**base, **fields}, spec.role))
+  return model_cls(typed(config_cls, fields, spec.role))
+
+
+def init_model(spec: ModelSpec, seed: int):
+  """(model, params) of a spec without checkpoint: random init with PRNGKey(seed), then the
+  params of `init_from` if set."""
+  model = model_from_fields(spec)
+  return model, with_init_from(spec, model.init_params(jax.random.PRNGKey(seed)))
+
+
+def with_init_from(spec: ModelSpec, params):
+  return ckpt_lib.load_params(spec.init_from, params) if spec.init_from else params
+
+
+# ----------------------------------------------------------------------------------- training
+
+def train_config(config, pretrain: bool = False) -> TrainConfig:
+  """TrainConfig from the `train`, `distill` and `mesh` sections (`pretrain` section for NLL)."""
+  values = section(config, "train")
+  mesh = section(config, "mesh")
+  values.update(mesh_data=mesh.get("data", -1), mesh_model=mesh.get("model", 1))
+  if pretrain:
+    values.update({k: v for k, v in section(config, "pretrain").items() if k != "model"})
+    values.update(loss="nll", lambda1=1.0, lambda2=0.0)
+    return typed(TrainConfig, values, "train")
+  d = section(config, "distill")
+  if d.get("recipe"):
+    r = distill_data.recipe(d["recipe"])
+    values.update(loss=r.loss, lambda1=r.lambda1, lambda2=r.lambda2)
+  else:
+    values.update(loss=d.get("loss", "fkl"), lambda1=d.get("lambda1", 0.0),
+                  lambda2=d.get("lambda2", 1.0))
+  values.update(beta=d.get("beta", 0.5), temperature=d.get("temperature", 1.0))
+  return typed(TrainConfig, values, "train")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  """The `data` section: a training source (markov or task) and the evaluation task."""
+  source: str = "markov"         # markov | task
+  task: str = ""                 # specjax.data.tasks name (stdlib_lm, stdlib_sum, TFDS tasks)
+  tokenizer: str = ""            # tokenizer spec of the task
+  vocab_size: int = 0
+  prompt_len: int = 0            # training: prompt tokens
+  target_len: int = 0            # training: target tokens
+  lm_prompt_len: int = 32        # evaluation: lm prompt tokens
+  max_prompt_len: int = 256      # evaluation: seq2seq input tokens
+  max_target_len: int = 64       # evaluation: reference tokens
+  seed: int = 0
+  eos_id: int = 1
+  pad_id: int = 0
+  data_dir: str = ""
+
+
+def data_spec(config) -> DataSpec:
+  return typed(DataSpec, section(config, "data"), "data")
+
+
+def train_source(spec: DataSpec, batch_size: int):
+  """The training data: `markov` (seeded synthetic, offline) or `task` (a named task under
+  `tokenizer`, e.g. stdlib_lm with stdlib:unigram:8000)."""
+  if spec.source == "markov":
+    return distill_data.MarkovSource(spec.vocab_size, batch_size, spec.prompt_len,
+                                     spec.target_len, spec.seed)
+  if spec.source == "task":
+    from specjax.data import source, tasks, tokenizer
+    tok = tokenizer.get_tokenizer(spec.tokenizer)
+    if tok.vocab_size > spec.vocab_size:
+      raise ConfigError(f"tokenizer {spec.tokenizer} has {tok.vocab_size} ids but the models have"
+                        f" vocab_size {spec.vocab_size}: raise the models' vocab_size (and "
+                        f"--config.data.vocab_size) to at least {tok.vocab_size}")
+    cfg = source.SourceConfig(batch_size=batch_size, max_prompt_len=spec.prompt_len,
+                              max_target_len=spec.target_len, lm_prompt_len=spec.prompt_len,
+                              seed=spec.seed)
+    return source.Source(tasks.get_task(spec.task), tok, cfg)
+  raise ConfigError(f"--config.data.source={spec.source!r}: use markov or task")
+
+
+def eval_source(config):
+  """The config's evaluation task (validation prompts and references of the eval tools)."""
+  from specjax.data.source import SourceConfig, make_source
+  spec = data_spec(config)
+  if not spec.task:
+    raise ConfigError("the config's data section names no task (--config.data.task)")
+  cfg = SourceConfig(batch_size=1, lm_prompt_len=spec.lm_prompt_len,
+                     max_target_len=spec.max_target_len, max_prompt_len=spec.max_prompt_len)
+  return make_source(spec.task, spec.tokenizer, cfg, data_dir=spec.data_dir or None)
+

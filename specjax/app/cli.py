@@ -1,0 +1,77 @@
+"""The command-line edge shared by `specjax.decode`, `train.*` and `eval.*`: argument parsing with
+`--config.a.b=v` overrides, logging, the persistent compilation cache, and user errors turned into
+one line of advice and exit status 2 (SPECJAX_DEBUG=1 shows the traceback instead)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable
+
+import jax
+
+from specjax import sharding
+from specjax.app.config import ConfigError
+from specjax.data.cache import cache_dir
+from specjax.models import hf_import, kv_cache
+from specjax.sprinter.verifier import VerifierNotFoundError
+
+USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, KeyError, NotADirectoryError,
+               IsADirectoryError, PermissionError, UnicodeDecodeError)
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+  return argparse.ArgumentParser(prog=prog, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parse(p: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[str]]:
+  """Known flags, and every `--config.a.b=v` override (anything else is refused)."""
+  args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+  bad = [r for r in rest if not r.startswith("--config.")]
+  if bad:
+    p.error(f"unrecognized arguments: {' '.join(bad)} (overrides look like --config.a.b=v)")
+  return args, rest
+
+
+def setup() -> None:
+  """Library logs (specjax.*) to stderr, and compiled programs persisted under the specjax
+  cache so that a second run starts fast."""
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("specjax: %(message)s"))
+  root = logging.getLogger("specjax")
+  if not root.handlers:
+    root.addHandler(handler)
+  root.setLevel(logging.INFO)
+  jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-compile"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def advice(err: Exception) -> str:
+  """The error's message, with the flag that mends it where the error's data tells which."""
+  if isinstance(err, kv_cache.CacheOverflowError):
+    return (f"{err.what} needs {err.needed} cache positions but the cache holds {err.capacity}: "
+            f"raise --config.decode.max_len (at least {err.needed}), or shorten the prompt / "
+            f"--config.decode.max_new_tokens")
+  if isinstance(err, sharding.MeshError):
+    return f"{err} (set --config.mesh.data and --config.mesh.model)"
+  if isinstance(err, VerifierNotFoundError):
+    return f"{err} (train one with python -m train.verifier, then --config.rule.verifier=WORKDIR)"
+  if isinstance(err, hf_import.CheckpointNotFoundError):
+    return str(err)
+  if isinstance(err, KeyError):
+    return f"missing key {err}"
+  return str(err)
+
+
+def run(prog: str, fn: Callable[[], int | None]) -> int:
+  """fn() with user errors reported as `PROG: error: ...` and exit status 2."""
+  try:
+    return fn() or 0
+  except USER_ERRORS as err:
+    if os.environ.get("SPECJAX_DEBUG"):
+      raise
+    print(f"{prog}: error: {advice(err)}", file=sys.stderr)
+    return 2

@@ -1,0 +1,279 @@
+"""Decoding methods by name: autoregressive, speculative (any registered rule), sprinter, slem, slrs.
+
+A method is a frozen dataclass built from a config by its own `from_config` and used in two steps:
+`prepare(texts) -> Prompts` (host-side tokenization, once per batch) and
+`generate(prompts, key) -> Generation` (the decoding itself; what the eval tools time).
+Adding a method is one class here (or in its own module) and one `@register`.
+
+`rule.name` picks the method: a method name (sprinter, slem, slrs) runs that method; any other
+name is an acceptance rule of speculative decoding; without a draft checkpoint the target
+decodes alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import numpy as np
+
+from specjax.acceptance import registry, vocab
+from specjax.app import builders, resolve
+from specjax.app.config import ConfigError
+from specjax.decoding import autoregressive, speculative, string_level
+from specjax.decoding.state import Generation
+from specjax.models import prompting
+from specjax.models.prompting import Prompt
+from specjax.sprinter import loop as sprinter_loop
+from specjax.sprinter import verifier as sprinter_verifier
+
+_METHODS: dict[str, type] = {}
+
+
+def register(*names: str):
+  def wrap(cls):
+    for name in names:
+      _METHODS[name] = cls
+    return cls
+  return wrap
+
+
+def names() -> list[str]:
+  return sorted(_METHODS)
+
+
+def method_name(config, draft_role: str = "draft") -> str:
+  """The method a config asks for (see the module docstring)."""
+  rule = builders.section(config, "rule").get("name", "")
+  if not (builders.section(config, draft_role).get("checkpoint") and rule):
+    return "autoregressive"
+  return rule if rule in _METHODS else "speculative"
+
+
+def build(config, draft_role: str = "draft"):
+  """The configured method; `draft_role` picks another draft section (eval: `draft_raw`). A
+  model alone: `Autoregressive.from_config(config, target_role=ROLE)`."""
+  return _METHODS[method_name(config, draft_role)].from_config(config, draft_role=draft_role)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+  """One batch of prompts, encoded for every model of a method."""
+  target: Prompt
+  draft: Prompt | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """What every method shares: the target, the decode settings, prompts and outputs."""
+  target: resolve.LoadedModel
+  settings: builders.DecodeSettings
+  name: ClassVar[str] = ""
+
+  @property
+  def label(self) -> str:
+    return self.name
+
+  @property
+  def eos_id(self) -> int:
+    return int(self.target.tokenizer.eos_id)
+
+  @property
+  def draft_model(self) -> resolve.LoadedModel | None:
+    return getattr(self, "draft", None)
+
+  def room(self, loaded: resolve.LoadedModel) -> int | None:
+    """Cache positions left for a prompt: max_len (or the model's position table) minus the
+    generated tokens and the verify block; None: unbounded (T5 prompts live in the encoder)."""
+    if loaded.model.is_encoder_decoder:
+      return None
+    limit = self.settings.max_len or getattr(getattr(loaded.model, "config", None),
+                                             "n_positions", None)
+    return None if limit is None else limit - self.settings.max_new_tokens - self.settings.gamma - 1
+
+  def encode(self, loaded: resolve.LoadedModel, texts) -> Prompt:
+    """Texts -> a bucketed Prompt for one model; the bucket is clipped to the room left in its
+    cache when the longest prompt fits there."""
+    rows = [prompting.encode(loaded.tokenizer, t, encoder_decoder=loaded.model.is_encoder_decoder)
+            for t in texts]
+    room = self.room(loaded)
+    longest = max(len(r) for r in rows)
+    return prompting.batch(rows, loaded.tokenizer.pad_id,
+                           room if room is not None and longest <= room else None)
+
+  def prepare(self, texts) -> Prompts:
+    draft = self.draft_model
+    return Prompts(target=self.encode(self.target, texts),
+                   draft=None if draft is None else self.encode(draft, texts))
+
+  def texts(self, gen: Generation) -> list[tuple[list[int], str]]:
+    """(generated ids, text) per row."""
+    tok = self.target.tokenizer
+    return [([int(t) for t in row[:n]], prompting.decode(tok, row, n))
+            for row, n in zip(np.asarray(gen.tokens), np.asarray(gen.lengths))]
+
+  @property
+  def max_len(self) -> int | None:
+    return self.settings.max_len or None
+
+  def with_settings(self, **changes):
+    """The same method and models with other decode settings (gamma, max_new_tokens, ...)."""
+    return dataclasses.replace(self, settings=dataclasses.replace(self.settings, **changes))
+
+  def target_only(self) -> "Autoregressive":
+    """Autoregressive decoding with this method's target and settings (the speed baseline)."""
+    return Autoregressive(target=self.target, settings=self.settings)
+
+  def generate(self, prompts: Prompts, key) -> Generation:
+    raise NotImplementedError
+
+
+@register("autoregressive")
+@dataclasses.dataclass(frozen=True)
+class Autoregressive(Method):
+  name: ClassVar[str] = "autoregressive"
+
+  @classmethod
+  def from_config(cls, config, target_role="target", draft_role="draft"):
+    del draft_role
+    return cls(target=resolve.load(builders.model_spec(config, target_role)),
+               settings=builders.decode_settings(config))
+
+  def generate(self, prompts: Prompts, key) -> Generation:
+    s = self.settings
+    return autoregressive.generate(
+        self.target.model, self.target.params, prompts.target, key,
+        max_new_tokens=s.max_new_tokens, warp=s.warp, eos_id=self.eos_id, max_len=self.max_len)
+
+
+def _load_pair(config, target_role: str, draft_role: str):
+  return (resolve.load(builders.model_spec(config, target_role)),
+          resolve.load(builders.model_spec(config, draft_role)))
+
+
+@register("speculative")
+@dataclasses.dataclass(frozen=True)
+class Speculative(Method):
+  """Draft-then-verify blocks in one jitted loop, with any registered acceptance rule."""
+  draft: resolve.LoadedModel = None
+  rule: object = None
+  name: ClassVar[str] = "speculative"
+
+  @property
+  def label(self) -> str:
+    return self.rule.rule_name
+
+  @classmethod
+  def from_config(cls, config, target_role="target", draft_role="draft"):
+    target, draft = _load_pair(config, target_role, draft_role)
+    name = builders.section(config, "rule").get("name", "")
+    try:
+      needs_map = not registry.rule_class(name).needs_same_vocab
+    except registry.UnknownRuleError as err:
+      raise ConfigError(f"unknown acceptance rule {name!r} (--config.rule.name): acceptance "
+                        f"rules are {', '.join(err.known)}; decoding methods are "
+                        f"{', '.join(n for n in names() if n != 'speculative')}") from None
+    fixed = {}
+    if needs_map:     # a draft with another tokenizer: the rule maps ids through a VocabMap
+      fixed["vocab"] = vocab.build(target.tokenizer, draft.tokenizer,
+                                   target_width=target.model.vocab_size,
+                                   draft_width=draft.model.vocab_size)
+    return cls(target=target, settings=builders.decode_settings(config), draft=draft,
+               rule=builders.rule(config, **fixed))
+
+  def generate(self, prompts: Prompts, key) -> Generation:
+    s = self.settings
+    return speculative.generate(
+        self.target.model, self.target.params, self.draft.model, self.draft.params,
+        prompts.target, key, rule=self.rule, gamma=s.gamma, max_new_tokens=s.max_new_tokens,
+        warp=s.warp, eos_id=self.eos_id, draft_prompt=prompts.draft, max_len=self.max_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class SprinterSettings:
+  """The `rule` section of method sprinter."""
+  verifier: str = ""         # a train.verifier workdir
+  threshold: float = -1.0    # < 0: the value saved with the verifier
+  gamma_max: int = -1        # < 0: the value saved with the verifier
+
+
+@register("sprinter")
+@dataclasses.dataclass(frozen=True)
+class Sprinter(Method):
+  """SPRINTER: a learned verifier accepts draft tokens; the target runs only on rejection."""
+  draft: resolve.LoadedModel = None
+  verifier: object = None
+  verifier_params: object = None
+  threshold: float = 0.5
+  gamma_max: int = 8
+  name: ClassVar[str] = "sprinter"
+
+  @classmethod
+  def from_config(cls, config, target_role="target", draft_role="draft"):
+    rule = {k: v for k, v in builders.section(config, "rule").items() if k != "name"}
+    hp = builders.typed(SprinterSettings, rule, "rule")
+    if not hp.verifier:
+      raise ConfigError("method sprinter needs --config.rule.verifier=WORKDIR (a train.verifier "
+                        "run)")
+    verifier, params, meta = sprinter_verifier.load(hp.verifier)
+    threshold, gamma_max = sprinter_verifier.decode_settings(meta, hp.threshold, hp.gamma_max)
+    target, draft = _load_pair(config, target_role, draft_role)
+    return cls(target=target, settings=builders.decode_settings(config), draft=draft,
+               verifier=verifier, verifier_params=params, threshold=threshold,
+               gamma_max=gamma_max)
+
+  def generate(self, prompts: Prompts, key) -> Generation:
+    s = self.settings
+    return sprinter_loop.generate(
+        self.target.model, self.target.params, self.draft.model, self.draft.params,
+        self.verifier, self.verifier_params, prompts.target, key, threshold=self.threshold,
+        gamma_max=self.gamma_max, max_new_tokens=s.max_new_tokens, warp=s.warp,
+        eos_id=self.eos_id, max_len=self.max_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class StringLevelSettings:
+  """The `rule` section of methods slem / slrs."""
+  max_depth: int = 3         # SLRS: most draft tokens before a target token is determined
+
+
+@register("slem", "slrs")
+@dataclasses.dataclass(frozen=True)
+class StringLevel(Method):
+  """SLEM / SLRS (Timor et al.): a host-driven loop over token lists, batch rows one by one."""
+  draft: resolve.LoadedModel = None
+  method: str = "slem"
+  max_depth: int = 3
+
+  @property
+  def label(self) -> str:
+    return self.method
+
+  @classmethod
+  def from_config(cls, config, target_role="target", draft_role="draft"):
+    rule = dict(builders.section(config, "rule"))
+    method = rule.pop("name")
+    hp = builders.typed(StringLevelSettings, rule, "rule")
+    target, draft = _load_pair(config, target_role, draft_role)
+    return cls(target=target, settings=builders.decode_settings(config), draft=draft,
+               method=method, max_depth=hp.max_depth)
+
+  def generate(self, prompts: Prompts, key) -> Generation:
+    s = self.settings
+    rows = lambda p: [[int(t) for t in r[:n]] for r, n in zip(np.asarray(p.tokens),
+                                                               np.asarray(p.lengths))]
+    keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(np.arange(len(rows(prompts.target))))
+    outs = [string_level.generate(
+        self.target.model, self.target.params, self.target.tokenizer, self.draft.model,
+        self.draft.params, self.draft.tokenizer, x_t, x_d, keys[b], method=self.method,
+        gamma=s.gamma, max_new_tokens=s.max_new_tokens, warp=s.warp, lookbehind=s.lookbehind,
+        max_depth=self.max_depth, eos_id=self.eos_id, max_len=self.max_len)
+        for b, (x_t, x_d) in enumerate(zip(rows(prompts.target), rows(prompts.draft)))]
+    tokens = np.zeros((len(outs), s.max_new_tokens), np.int32)
+    for b, o in enumerate(outs):
+      tokens[b, :len(o.tokens)] = o.tokens
+    stats = jax.tree.map(lambda *xs: np.concatenate(xs), *[o.stats for o in outs])
+    return Generation(tokens=tokens, stats=stats,
+                      lengths=np.asarray([len(o.tokens) for o in outs], np.int32))
+

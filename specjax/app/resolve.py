@@ -1,0 +1,54 @@
+"""Model sections -> loaded models: checkpoint names resolved to directories (builtin:PAIR/ROLE
+builds the embedded pair, a hub id goes through the local Hugging Face cache), then weights and
+tokenizer loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from specjax.app import builders, zoo
+from specjax.data.tokenizer import get_tokenizer
+from specjax.models import hf_import
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  model: object        # satisfies the model contract (docs/architecture.md)
+  params: object       # pytree of arrays
+  tokenizer: object    # encode / decode / vocab_size / pad_id / eos_id / bos_id
+  path: Path
+
+
+def checkpoint_dir(spec: builders.ModelSpec) -> Path:
+  """The local directory of a section's checkpoint; `builtin:NAME/ROLE` builds the embedded pair."""
+  name = spec.checkpoint
+  if name.startswith("builtin:"):
+    return zoo.ensure(name.removeprefix("builtin:"))
+  return hf_import.resolve_checkpoint(name, f"--config.{spec.role}.checkpoint")
+
+
+def load(spec: builders.ModelSpec) -> LoadedModel:
+  """Weights (then `init_from`, if set) and tokenizer of a section with a checkpoint."""
+  path = checkpoint_dir(spec)
+  model, params = hf_import.load_model(str(path), spec.dtype, f"--config.{spec.role}.checkpoint")
+  params = builders.with_init_from(spec, params)
+  return LoadedModel(model=model, params=jax.device_put(params),
+                     tokenizer=load_tokenizer(spec, path), path=path)
+
+
+def load_tokenizer(spec: builders.ModelSpec, path: Path):
+  """`spec.tokenizer` if set, else the checkpoint's own: spm.model or the HF tokenizer files."""
+  own = path / zoo.SPM_FILE
+  return get_tokenizer(spec.tokenizer or (str(own) if own.exists() else str(path)))
+
+
+def build_model(spec: builders.ModelSpec, seed: int):
+  """(model, params) for training: a checkpoint's weights, or a model built from the section's
+  fields with random init (PRNGKey(seed)); `init_from` then replaces the params."""
+  if spec.checkpoint:
+    loaded = load(spec)
+    return loaded.model, loaded.params
+  return builders.init_model(spec, seed)

@@ -1,0 +1,64 @@
+"""Config fragments shared by the shipped configs (big_vision's `configs/common.py` habit)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+STDLIB_PROMPTS = (
+    "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+)
+
+
+def model(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.ConfigDict:
+  """A model section: a checkpoint (local HF directory, hub id in the local cache, or
+  `builtin:PAIR/ROLE`), its dtype, and optionally `tokenizer` or `init_from`."""
+  return ml_collections.ConfigDict(dict(checkpoint=checkpoint, dtype=dtype, **fields))
+
+
+def decode(**overrides) -> ml_collections.ConfigDict:
+  """The `decode` section: speculative and sampling settings of `python -m specjax.decode`."""
+  fields = dict(gamma=4, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+                max_len=0, batch_size=1, lookbehind=10)
+  fields.update(overrides)
+  return ml_collections.ConfigDict(fields)
+
+
+def rule(name: str = "exact", **hparams) -> ml_collections.ConfigDict:
+  """The `rule` section: a registered acceptance rule's name and its hyperparameters (or a
+  decoding method's: slem, slrs, sprinter)."""
+  return ml_collections.ConfigDict(dict(name=name, **hparams))
+
+
+def stdlib_lm_data(**overrides) -> ml_collections.ConfigDict:
+  """Evaluation data of the embedded decoder pair: code completion on the stdlib corpus."""
+  fields = dict(task="stdlib_lm", tokenizer="stdlib:bpe:2000", lm_prompt_len=32,
+                max_target_len=64)
+  fields.update(overrides)
+  return ml_collections.ConfigDict(fields)
+
+
+def training(**overrides) -> ml_collections.ConfigDict:
+  """The `train` section of train.pretrain / train.distill (Table B.1 defaults)."""
+  fields = dict(steps=300_000, batch_size=32, learning_rate=3e-4, warmup_steps=5_000,
+                decay_start=150_000, final_lr_ratio=0.1, optimizer="adafactor", seed=0,
+                log_every=100, checkpoint_every=2_000, eval_every=5_000, async_checkpoint=True,
+                progress=True)
+  fields.update(overrides)
+  return ml_collections.ConfigDict(fields)
+
+
+def distill(**overrides) -> ml_collections.ConfigDict:
+  fields = dict(recipe="", loss="fkl", beta=0.5, lambda1=0.0, lambda2=1.0, temperature=1.0)
+  fields.update(overrides)
+  return ml_collections.ConfigDict(fields)
+
+
+def mesh(data: int = -1, model: int = 1) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(data=data, model=model))
+
+
+def distributed() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(enabled=False, coordinator="", num_processes=0,
+                                        process_id=-1))

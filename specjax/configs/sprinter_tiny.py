@@ -1,0 +1,30 @@
+"""SPRINTER on the embedded pair (builtin:tiny target, DistillSpec-distilled draft): train the
+verifier, then decode with it.
+
+    python -m train.verifier --config sprinter_tiny.py --workdir runs/sprinter_tiny
+    python -m specjax.decode --config sprinter_tiny.py      # method sprinter, verifier from above
+
+The `verifier` section drives training (lam, the data and the optimizer) and stores the decoding
+defaults (threshold tau, gamma_max) in the workdir; `rule` points decoding at that workdir
+(threshold / gamma_max < 0 there: use the saved values).
+"""
+
+import ml_collections
+
+from specjax.configs import common
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.target = common.model("builtin:tiny/target")
+  c.draft = common.model("builtin:tiny/draft_distilled")
+  c.verifier = ml_collections.ConfigDict(dict(
+      workdir="runs/sprinter_tiny", features="A", mlp_width=0, lam=1.2, threshold=0.5,
+      gamma_max=8, cont_len=20, mix_prob=0.5, num_sequences=1024, batch_rows=64,
+      learning_rate=1e-3, batch_size=256, max_epochs=20, patience=3, pos_weight=0.0,
+      val_fraction=0.1, test_fraction=0.1, seed=0))
+  c.rule = common.rule("sprinter", verifier="runs/sprinter_tiny", threshold=-1.0, gamma_max=-1)
+  c.decode = common.decode()
+  c.data = common.stdlib_lm_data(eos_id=1)
+  c.prompts = list(common.STDLIB_PROMPTS)
+  return c

@@ -1,0 +1,27 @@
+"""The embedded default with a draft on ANOTHER tokenizer (Timor et al., ICML'25): the target of
+tiny.py (stdlib:bpe:2000) and a draft trained on stdlib:unigram:8000 (specjax.app.zoo).
+
+    python -m specjax.decode --config tiny_hetero.py                                 # TLI
+    python -m specjax.decode --config tiny_hetero.py --config.rule.name=union
+    python -m specjax.decode --config tiny_hetero.py --config.rule.name=slem --config.decode.temperature=0
+    python -m specjax.decode --config tiny_hetero.py --config.rule.name=slrs --config.rule.max_depth=2
+
+rule.name: intersection / union run in the jitted loop with a VocabMap built from the two
+tokenizers (overlap logged at start-up; refused below rule.min_overlap); slem / slrs run the
+host-driven string-level loop (specjax.decoding.string_level), batch 1.
+"""
+
+import ml_collections
+
+from specjax.configs import common
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.target = common.model("builtin:tiny/target", tokenizer="stdlib:bpe:2000")
+  c.draft = common.model("builtin:tiny/draft_other_vocab", tokenizer="stdlib:unigram:8000")
+  c.rule = common.rule("intersection")      # min_overlap: 0.05 by default
+  c.decode = common.decode()
+  c.data = common.stdlib_lm_data()
+  c.prompts = list(common.STDLIB_PROMPTS)
+  return c

@@ -9,7 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from specjax.models import kv_cache
+from specjax.models import kv_cache, prompting
 
 
 def once(fn):
@@ -52,8 +52,8 @@ def step_loop(model, params, prompt, width: int, capacity: int, steps: int = 64)
   """A call running `steps` model passes over `width` tokens after the prompt, at batch = prompt
   rows, with a cache of `capacity` entries: the size decoding uses, since a pass's cost grows
   with it."""
-  enc_len = prompt.tokens.shape[1] if model.is_encoder_decoder else 0
-  prefix = 1 if model.is_encoder_decoder else prompt.tokens.shape[1]
-  cache = model.init_cache(prompt.tokens.shape[0], max(capacity, prefix + width), enc_len)
+  prefix = prompting.prefix_len(model, prompt)
+  cache = model.init_cache(prompt.tokens.shape[0], max(capacity, prefix + width),
+                           prompting.enc_len(model, prompt))
   _, _, cache = model.prefill(params, prompt, cache)
   return functools.partial(_extend_loop, model, params, cache, width, steps)

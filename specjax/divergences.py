@@ -9,7 +9,7 @@ Argument order follows the math: `kl(p, q) = KL(p || q)`. In speculative decodin
 (teacher) and q the draft (student): `kl(p, q)` is DistillSpec's FKL, `rkl(p, q) = KL(q || p)` its
 RKL (and the FSD authors' `kl_div`).
 
-Worked example (fsd.md §5.1): p = (.5, .5), q = (.9, .1) -> kl .510826, rkl .368064, js .101749,
+Worked example (docs/papers/fsd.md §5.1): p = (.5, .5), q = (.9, .1) -> kl .510826, rkl .368064, js .101749,
 js_m .117973, tv .4.
 """
 

@@ -3,7 +3,7 @@
 Every random draw in specjax is tied to (row, position), never to the batch: row b uses
 `fold_in(key, b)` and the draw for output position t of that row uses `fold_in(row_key, t)`. That
 is what makes row b of a batch identical to a single-row run with the same row key, whatever the
-other rows do (DESIGN.md §4).
+other rows do (docs/design.md §4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Divergences: fsd.md §5.1-5.3 reference values, scipy agreement, distillspec.md §6.8 identities."""
+"""Divergences: docs/papers/fsd.md §5.1-5.3 reference values, scipy agreement, docs/papers/distillspec.md §6.8 identities."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPRINTER's sequential loop against the checkable properties of sprinter.md §6."""
+"""SPRINTER's sequential loop against the checkable properties of docs/papers/sprinter.md §6."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPRINTER's verifier: the model, the training data (sprinter.md §6.13), training, and the
+"""SPRINTER's verifier: the model, the training data (docs/papers/sprinter.md §6.13), training, and the
 config-driven run (train, save, load, decode)."""
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def import_tfds(task: TfdsTask):
 def _prepared_builder(task: TfdsTask):
   tfds = import_tfds(task)
   hint = (f"Prepare it once (with network access) with: {task.prepare_command()} , and pass the "
-          "same directory as data_dir (config: --config.data.data_dir=DIR; or set TFDS_DATA_DIR). "
+          "same directory as the task's data_dir (or set TFDS_DATA_DIR). "
           "The offline tasks 'stdlib_lm' and 'stdlib_sum' need no download.")
   try:
     builder = tfds.builder(task.tfds_name, data_dir=task.data_dir)

@@ -75,7 +75,7 @@ def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
 
 @flax.struct.dataclass(kw_only=True)
 class SpecState:
-  """Everything one decoding loop carries from block to block (DESIGN.md §4).
+  """Everything one decoding loop carries from block to block (docs/design.md §4).
 
   Loop invariant (speculative): the committed stream of row b is its prompt stream (decoder-only:
   the prompt; T5: the decoder start token) followed by tokens[b, :lengths[b]]. The target cache

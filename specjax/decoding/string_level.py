@@ -3,7 +3,7 @@ SLEM (Alg 2, string-level exact match) and SLRS (Alg 3, string-level rejection s
 
 A host-driven loop around jitted model calls. The host keeps both token streams (x_T, x_D) as
 Python lists and does the tokenizer work (decode drafts to text, re-encode over a look-behind
-window, align, §2 of papers/hetero_vocab.md); a `Backend` runs the models and keeps their KV
+window, align, §2 of docs/papers/hetero_vocab.md); a `Backend` runs the models and keeps their KV
 caches in step with the streams (rollback to the common prefix, then one padded extend). Only small
 integer arrays cross between host and device for SLEM; SLRS also fetches probability rows.
 

@@ -1,4 +1,4 @@
-"""Models and the model contract the decoding loop relies on (DESIGN.md §3).
+"""Models and the model contract the decoding loop relies on (docs/design.md §3).
 
 A model is a frozen, hashable dataclass (so it can be a static argument of `jax.jit`) with:
 

@@ -1,4 +1,4 @@
-"""SPRINTER (sprinter.md): a learned verifier accepts draft tokens without calling the target.
+"""SPRINTER (docs/papers/sprinter.md): a learned verifier accepts draft tokens without calling the target.
 
 A small head reads one draft hidden state and predicts whether the draft token is acceptable
 (q(x)/p(x) <= lambda); the target runs only when the head rejects, or after gamma_max accepts in a

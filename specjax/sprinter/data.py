@@ -1,4 +1,4 @@
-"""SPRINTER's training examples (sprinter.md §2): what the draft proposes, labelled by the target.
+"""SPRINTER's training examples (docs/papers/sprinter.md §2): what the draft proposes, labelled by the target.
 
 Each text prefix c is extended by a continuation of `cont_len` tokens taken from one of four
 sources, one per prefix group: text, draft samples, target samples, or a per-token mix. Every

@@ -1,4 +1,4 @@
-"""SPRINTER's decoding loop (sprinter.md): sequential approximate verification, one jitted
+"""SPRINTER's decoding loop (docs/papers/sprinter.md): sequential approximate verification, one jitted
 lax.while_loop. The caller brings a loaded verifier (`specjax.sprinter.verifier.load`) and its
 params; this module never touches the disk.
 

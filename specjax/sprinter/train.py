@@ -1,4 +1,4 @@
-"""Training SPRINTER's verifier (sprinter.md §2): BCE + Adam with early stopping, then metrics.
+"""Training SPRINTER's verifier (docs/papers/sprinter.md §2): BCE + Adam with early stopping, then metrics.
 
 The examples of `specjax.sprinter.data` are split by sequence (train / validation / test), so a
 held-out prefix is never seen in training. Training stops once the validation loss has not

@@ -1,4 +1,4 @@
-"""SPRINTER's verifier model (sprinter.md §1) and the workdir that stores a trained one.
+"""SPRINTER's verifier model (docs/papers/sprinter.md §1) and the workdir that stores a trained one.
 
 The verifier reads one draft hidden state h and outputs s = sigmoid(f(h)) = P(the draft token is
 acceptable), where x is acceptable iff q(x)/p(x) <= lambda. The loop (`specjax.sprinter.loop`)

@@ -53,13 +53,12 @@ def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
     raise MeshError(f"mesh shape ({data}, {model}) is invalid: use positive sizes (data may be -1)")
   if data == -1:
     if count % model:
-      raise MeshError(f"mesh model axis {model} does not divide the {count} devices: set "
-                      f"--config.mesh.model to a divisor of {count}")
+      raise MeshError(f"mesh model axis {model} does not divide the {count} devices: use a "
+                      f"divisor of {count}")
     data = count // model
   if data * model != count:
     raise MeshError(f"mesh shape (data={data}, model={model}) needs {data * model} devices but "
-                    f"{count} are available: set --config.mesh.data and --config.mesh.model so "
-                    f"that data * model = {count} (or data=-1)")
+                    f"{count} are available: choose data * model = {count} (or data=-1)")
   grid = np.asarray(devices).reshape(data, model)
   return Mesh(grid, MESH_AXES)
 
@@ -188,3 +187,17 @@ def shard_batch(tree, mesh: Mesh, local: bool = False):
 
 def num_params(params) -> int:
   return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+  """jax.distributed.initialize before any computation; on TPU pods all arguments may be None."""
+  if jax.distributed.is_initialized():
+    return
+  try:   # CPU processes (tests, dev boxes) need a collectives backend; harmless on TPU/GPU
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  except (AttributeError, ValueError):
+    pass
+  kwargs = {k: v for k, v in dict(coordinator_address=coordinator, num_processes=num_processes,
+                                  process_id=process_id).items() if v is not None}
+  jax.distributed.initialize(**kwargs)

@@ -52,7 +52,7 @@ def _tiny_pair(seed: int = 0, noise: float = 0.2):
   params = target.init_params(jax.random.PRNGKey(seed))
   params = {k: jax.tree.map(lambda x: 4.0 * x, v) if k in ("token_embed", "lm_head") else v
             for k, v in params.items()}                        # well-separated logits
-  kept = {k: v for k, v in params.items() if k != "layers_1"}
+  kept = dict(params, layers=jax.tree.map(lambda x: x[:1], params["layers"]))   # layer 0 only
   leaves, treedef = jax.tree.flatten(kept)
   keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
   noisy = [x + noise * (jnp.std(x) + 1e-3) * jax.random.normal(k, x.shape)

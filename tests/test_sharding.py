@@ -23,14 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_rules_table_on_decoder_params():
   _, params = testing.tiny_decoder(vocab_size=48, d_model=32, num_heads=4, d_ff=64)
   axes = sharding.logical_axes(params)
-  layer = axes["layers_0"]
-  assert layer["attention"]["query"]["kernel"] == ("embed", "heads")
-  assert layer["attention"]["query"]["bias"] == ("heads",)
-  assert layer["attention"]["out"]["kernel"] == ("heads", "embed")
-  assert layer["mlp"]["wi"]["kernel"] == ("embed", "mlp")
-  assert layer["mlp"]["wo"]["kernel"] == ("mlp", "embed")
-  assert layer["ln_1"]["scale"] == ("embed",)
+  layer = axes["layers"]                               # stacked: [L, ...] leaves
+  assert layer["attention"]["query"]["kernel"] == ("layers", "embed", "heads")
+  assert layer["attention"]["query"]["bias"] == ("layers", "heads")
+  assert layer["attention"]["out"]["kernel"] == ("layers", "heads", "embed")
+  assert layer["mlp"]["wi"]["kernel"] == ("layers", "embed", "mlp")
+  assert layer["mlp"]["wo"]["kernel"] == ("layers", "mlp", "embed")
+  assert layer["ln_1"]["scale"] == ("layers", "embed")
   assert axes["token_embed"]["embedding"] == ("vocab", "embed")
+  fake = type("M", (), {"shape": {"data": 1, "model": 2}})()   # scanned kernels still split
+  wi = params["layers"]["mlp"]["wi"]["kernel"]
+  assert sharding.spec_for(layer["mlp"]["wi"]["kernel"], wi.shape, fake) == P(None, None, "model")
   assert sharding.leaf_axes(("lm_head", "kernel"), 2) == ("embed", "vocab")
   assert sharding.leaf_axes(("relpos_bias",), 2) == ("relpos", "heads")
   assert sharding.leaf_axes(("blocks", "wi_0", "kernel"), 3) == ("layers", "embed", "mlp")
@@ -90,7 +93,7 @@ CHILD = textwrap.dedent("""
       s1, m1 = step(state, batch, tpp)
       flat = jax.tree_util.tree_flatten_with_path(s1.params)[0]
       leaves = {jax.tree_util.keystr(k): np.asarray(x).ravel()[:64].tolist() for k, x in flat}
-      kernel = s1.params["layers_0"]["mlp"]["wi"]["kernel"]
+      kernel = s1.params["layers"]["mlp"]["wi"]["kernel"]
       times = []
       for i in range(TIMED):
         b = tr.place_batch(source.batch(i + 1))

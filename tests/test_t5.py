@@ -146,10 +146,11 @@ def test_init_params_layout_and_export_loads_in_transformers(checkpoints, tmp_pa
   assert model == hf_import.load_model(str(checkpoints["gated_untied"][1]))[0]
   params = model.init_params(jax.random.key(0))
   assert type(params) is dict and model.is_encoder_decoder and model.hidden_size == 32
-  layer = params["decoder"]["layers_0"]
-  assert layer["self_attn"]["query"]["kernel"].shape == (32, 48)
-  assert layer["cross_attn"]["out"]["kernel"].shape == (48, 32)
-  assert layer["mlp"]["wi_0"]["kernel"].shape == (32, 48)
+  layer = params["decoder"]["layers"]                          # stacked over the 3 layers
+  assert layer["self_attn"]["query"]["kernel"].shape == (3, 32, 48)
+  assert layer["cross_attn"]["out"]["kernel"].shape == (3, 48, 32)
+  assert layer["mlp"]["wi_0"]["kernel"].shape == (3, 32, 48)
+  assert params["encoder"]["layers"]["mlp_norm"]["scale"].shape == (2, 32)
   assert params["decoder"]["relpos_bias"].shape == (8, 4)
   assert params["lm_head"]["kernel"].shape == (32, 64)
   assert params["shared"]["embedding"].shape == (64, 32)

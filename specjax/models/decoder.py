@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax
@@ -113,7 +114,7 @@ class _Attention(nn.Module):
   cfg: DecoderConfig
 
   @nn.compact
-  def __call__(self, x, k_buf, v_buf, lengths, mask):
+  def __call__(self, x, k_buf, v_buf, mask):
     """x [B,T,D]; k_buf, v_buf [B,H,S,Dh] one layer of the cache (read only); mask = (old [B,1,S]
     cache entries < lengths, new [T,T] causal). Returns the output and this block's k, v
     [B,T,H,Dh]: the caller writes every layer's entries in one go (no per-layer buffer copies)."""
@@ -149,18 +150,26 @@ class _Mlp(nn.Module):
 
 
 class _Block(nn.Module):
+  """One layer; `_Blocks` scans it over the stacked params and the cache's layer axis."""
   cfg: DecoderConfig
 
   @nn.compact
-  def __call__(self, x, k_buf, v_buf, lengths, mask):
+  def __call__(self, x, layer_cache, mask):
+    """x [B,T,D] (the scan carry); layer_cache = (k_buf, v_buf) [B,H,S,Dh], this layer's slice of
+    the cache; mask as _Attention's, the same for every layer -> (x, (k, v) [B,T,H,Dh])."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     norm = functools.partial(nn.LayerNorm, epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt)
-    attn, k_buf, v_buf = _Attention(cfg, name="attention")(norm(name="ln_1")(x), k_buf, v_buf,
-                                                           lengths, mask)
+    attn, k, v = _Attention(cfg, name="attention")(norm(name="ln_1")(x), *layer_cache, mask)
     x = x + attn
     x = x + _Mlp(cfg, name="mlp")(norm(name="ln_2")(x))
-    return x, k_buf, v_buf
+    return x, (k, v)
+
+
+# One compiled layer whatever the depth: params get a leading [L] axis, the cache is read layer by
+# layer as a scanned input, and the block's new entries come out stacked [L, B, T, H, Dh].
+_Blocks = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                  in_axes=(0, nn.broadcast))
 
 
 class _Transformer(nn.Module):
@@ -186,11 +195,7 @@ class _Transformer(nn.Module):
          + jnp.take(wpe, pos, axis=0, mode="clip")).astype(dt)                  # [B, T, D]
     mask = (jnp.arange(k.shape[3])[None, None, :] < lengths[:, None, None],     # [B, 1, S]
             jnp.tril(jnp.ones((num_new, num_new), bool)))                      # [T, T]
-    new_k, new_v = [], []
-    for i in range(cfg.num_layers):
-      x, k_i, v_i = _Block(cfg, name=f"layers_{i}")(x, k[i], v[i], lengths, mask)
-      new_k.append(k_i)
-      new_v.append(v_i)
+    x, (new_k, new_v) = _Blocks(cfg, name="layers")(x, (k, v), mask)           # [L, B, T, H, Dh]
     hidden = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt,
                           name="ln_f")(x)                                      # [B, T, D]
     if select is not None:
@@ -201,7 +206,7 @@ class _Transformer(nn.Module):
       head = _Table("kernel", (cfg.d_model, cfg.vocab_size), 0.02, cfg.dtype,
                     name="lm_head")()                                          # [D, V]
       logits = jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
-    return hidden, logits, jnp.stack(new_k), jnp.stack(new_v)                   # k, v [L,B,T,H,Dh]
+    return hidden, logits, new_k, new_v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,8 +226,9 @@ class Decoder(ModelBase):
   @functools.partial(jax.jit, static_argnums=0)
   def init_params(self, rng: jax.Array) -> Params:
     """Plain nested dict: token_embed/embedding [V,D], pos_embed/position_embedding [N,D],
-    layers_i/{ln_1,ln_2}/{scale,bias}, layers_i/attention/{query,key,value,out}/{kernel,bias},
-    layers_i/mlp/{wi,wo}/{kernel,bias}, ln_f/{scale,bias}, lm_head/kernel [D,V] if untied."""
+    ln_f/{scale,bias} [D], lm_head/kernel [D,V] if untied, and the layers stacked [L, ...]:
+    layers/{ln_1,ln_2}/{scale,bias}, layers/attention/{query,key,value,out}/{kernel,bias},
+    layers/mlp/{wi,wo}/{kernel,bias}."""
     cache = self.init_cache(1, 1)
     tokens = jnp.zeros((1, 1), jnp.int32)
     variables = self.module.init(rng, tokens, cache.k, cache.v, cache.lengths)
@@ -296,28 +302,19 @@ def model_from_hf_config(hf_config: dict, dtype: str) -> Decoder:
       pad_token_id=eos if pad is None else pad, dtype=dtype))
 
 
-def _hf_layer_names(i: int) -> dict[str, tuple[str, ...]]:
-  """HF GPT-2 tensor name (without `transformer.`) -> specjax param path, for all but c_attn."""
-  h, ours = f"h.{i}", f"layers_{i}"
-  return {
-      f"{h}.attn.c_proj.weight": (ours, "attention", "out", "kernel"),
-      f"{h}.attn.c_proj.bias": (ours, "attention", "out", "bias"),
-      f"{h}.ln_1.weight": (ours, "ln_1", "scale"), f"{h}.ln_1.bias": (ours, "ln_1", "bias"),
-      f"{h}.ln_2.weight": (ours, "ln_2", "scale"), f"{h}.ln_2.bias": (ours, "ln_2", "bias"),
-      f"{h}.mlp.c_fc.weight": (ours, "mlp", "wi", "kernel"),
-      f"{h}.mlp.c_fc.bias": (ours, "mlp", "wi", "bias"),
-      f"{h}.mlp.c_proj.weight": (ours, "mlp", "wo", "kernel"),
-      f"{h}.mlp.c_proj.bias": (ours, "mlp", "wo", "bias"),
-  }
-
-
-def _hf_names(model: Decoder) -> dict[str, tuple[str, ...]]:
-  names = {"wte.weight": ("token_embed", "embedding"),
-           "wpe.weight": ("pos_embed", "position_embedding"),
-           "ln_f.weight": ("ln_f", "scale"), "ln_f.bias": ("ln_f", "bias")}
-  for i in range(model.config.num_layers):
-    names.update(_hf_layer_names(i))
-  return names
+# Our param path -> HF GPT-2 tensor (without `transformer.`): stacked leaves under `layers` come
+# from `h.{i}.` + the name; query, key and value are the thirds of c_attn's last axis.
+_HF_TOP = {("token_embed", "embedding"): "wte.weight",
+           ("pos_embed", "position_embedding"): "wpe.weight",
+           ("ln_f", "scale"): "ln_f.weight", ("ln_f", "bias"): "ln_f.bias"}
+_HF_LAYER = {("ln_1", "scale"): "ln_1.weight", ("ln_1", "bias"): "ln_1.bias",
+             ("ln_2", "scale"): "ln_2.weight", ("ln_2", "bias"): "ln_2.bias",
+             ("attention", "out", "kernel"): "attn.c_proj.weight",
+             ("attention", "out", "bias"): "attn.c_proj.bias",
+             ("mlp", "wi", "kernel"): "mlp.c_fc.weight", ("mlp", "wi", "bias"): "mlp.c_fc.bias",
+             ("mlp", "wo", "kernel"): "mlp.c_proj.weight", ("mlp", "wo", "bias"): "mlp.c_proj.bias"}
+_QKV = ("query", "key", "value")
+_C_ATTN = {"kernel": "attn.c_attn.weight", "bias": "attn.c_attn.bias"}
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
@@ -332,33 +329,43 @@ def _get(tree: dict, path: tuple[str, ...]):
   return tree
 
 
-def params_from_hf(model: Decoder, tensors: dict[str, np.ndarray]) -> Params:
+def _stack(read_layer, num_layers: int, dtype) -> jax.Array:
+  """[L, ...] leaf from read_layer(i) (one layer's array), filled in place in the target dtype."""
+  first = np.asarray(read_layer(0))
+  out = np.empty((num_layers,) + first.shape, dtype)
+  out[0] = first
+  for i in range(1, num_layers):
+    out[i] = read_layer(i)
+  return jnp.asarray(out)
+
+
+def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
   """HF GPT-2 tensors -> params. Conv1D weights are already [in, out]; c_attn [D,3D] splits into
   query/key/value. Names with or without the `transformer.` prefix are accepted."""
   cfg = model.config
-  flat = {k.removeprefix("transformer."): np.asarray(v) for k, v in tensors.items()
-          if not k.endswith(_HF_BUFFERS)}
-  names = _hf_names(model)
-  wanted = set(names) | {f"h.{i}.attn.c_attn.{w}" for i in range(cfg.num_layers)
-                         for w in ("weight", "bias")}
+  keys = {k.removeprefix("transformer."): k for k in tensors if not k.endswith(_HF_BUFFERS)}
+  wanted = set(_HF_TOP.values()) | {f"h.{i}.{name}" for i in range(cfg.num_layers)
+                                    for name in (*_HF_LAYER.values(), *_C_ATTN.values())}
   if not cfg.tie_word_embeddings:
     wanted.add("lm_head.weight")
-  missing = sorted(wanted - set(flat))
+  missing = sorted(wanted - set(keys))
   if missing:
     raise ValueError(f"GPT-2 checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}: does "
                      f"its config.json (n_layer={cfg.num_layers}, tie_word_embeddings="
                      f"{cfg.tie_word_embeddings}) match the weights?")
-  dt = model.dtype
+  read = lambda name: np.asarray(tensors[keys[name]])
+  dt, layers = model.dtype, cfg.num_layers
   params: dict = {}
-  for name, path in names.items():
-    _set(params, path, jnp.asarray(flat[name], dt))
-  for i in range(cfg.num_layers):
-    for w, leaf in (("weight", "kernel"), ("bias", "bias")):
-      parts = np.split(flat[f"h.{i}.attn.c_attn.{w}"], 3, axis=-1)   # [D, 3D] -> 3 x [D, D]
-      for part, proj in zip(parts, ("query", "key", "value")):
-        _set(params, (f"layers_{i}", "attention", proj, leaf), jnp.asarray(part, dt))
+  for path, name in _HF_TOP.items():
+    _set(params, path, jnp.asarray(read(name), dt))
+  for path, name in _HF_LAYER.items():
+    _set(params, ("layers",) + path, _stack(lambda i: read(f"h.{i}.{name}"), layers, dt))
+  for third, proj in enumerate(_QKV):
+    for leaf, name in _C_ATTN.items():
+      part = lambda i: np.split(read(f"h.{i}.{name}"), 3, axis=-1)[third]    # [D, 3D] -> [D, D]
+      _set(params, ("layers", "attention", proj, leaf), _stack(part, layers, dt))
   if not cfg.tie_word_embeddings:
-    params["lm_head"] = {"kernel": jnp.asarray(flat["lm_head.weight"].T, dt)}   # [V,D] -> [D,V]
+    params["lm_head"] = {"kernel": jnp.asarray(read("lm_head.weight").T, dt)}   # [V,D] -> [D,V]
   return params
 
 
@@ -366,13 +373,14 @@ def params_to_hf(model: Decoder, params: Params) -> dict[str, np.ndarray]:
   """params -> the tensors GPT2LMHeadModel.save_pretrained writes (with `transformer.` prefix)."""
   cfg = model.config
   as_np = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
-  out = {f"transformer.{name}": as_np(_get(params, path))
-         for name, path in _hf_names(model).items()}
+  out = {f"transformer.{name}": as_np(_get(params, path)) for path, name in _HF_TOP.items()}
+  layers = jax.tree_util.tree_map(as_np, params["layers"])                    # [L, ...] leaves
+  attn = layers["attention"]
   for i in range(cfg.num_layers):
-    attn = params[f"layers_{i}"]["attention"]
-    for w, leaf in (("weight", "kernel"), ("bias", "bias")):
-      out[f"transformer.h.{i}.attn.c_attn.{w}"] = np.concatenate(
-          [as_np(attn[p][leaf]) for p in ("query", "key", "value")], axis=-1)
+    for path, name in _HF_LAYER.items():
+      out[f"transformer.h.{i}.{name}"] = _get(layers, path)[i]
+    for leaf, name in _C_ATTN.items():
+      out[f"transformer.h.{i}.{name}"] = np.concatenate([attn[p][leaf][i] for p in _QKV], -1)
   if not cfg.tie_word_embeddings:
     out["lm_head.weight"] = np.ascontiguousarray(as_np(params["lm_head"]["kernel"]).T)
   return out

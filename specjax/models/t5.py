@@ -9,10 +9,10 @@ Params are a plain nested dict, laid out by ONE table (`_param_table`, which als
 tensors) used by `init_params`, `params_from_hf` and `params_to_hf`:
   shared/embedding [V,D]; lm_head/kernel [D,V] (only when untied);
   {encoder,decoder}/relpos_bias [buckets,H]; {encoder,decoder}/final_norm/scale [D];
-  {encoder,decoder}/layers_i/{self_attn,cross_attn}/{query,key,value}/kernel [D,H*Dh],
-  .../out/kernel [H*Dh,D]; layers_i/{self_attn,cross_attn,mlp}_norm/scale [D];
-  layers_i/mlp/{wi | wi_0,wi_1}/kernel [D,F], layers_i/mlp/wo/kernel [F,D]
-  (cross_attn* in the decoder only).
+  and each stack's layers stacked under one subtree with a leading [L] axis (run by `nn.scan`):
+  layers/{self_attn,cross_attn}/{query,key,value}/kernel [L,D,H*Dh], .../out/kernel [L,H*Dh,D];
+  layers/{self_attn,cross_attn,mlp}_norm/scale [L,D]; layers/mlp/{wi | wi_0,wi_1}/kernel
+  [L,D,F], layers/mlp/wo/kernel [L,F,D] (cross_attn* in the decoder only).
 
 Tying is decided by the params: with `lm_head` present the head is untied, else the shared
 embedding is used. `T5Config.tie_word_embeddings` only says what `init_params` creates and what the
@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -169,10 +170,11 @@ class _EncoderLayer(nn.Module):
     self.mlp_norm, self.mlp = _norm(self.cfg), _Mlp(self.cfg)
 
   def __call__(self, x, mask, bias):
+    """x [B,E,D] (the scan carry); mask [B,E,E], bias [1,H,E,E], the same for every layer."""
     h = self.self_attn_norm(x)
     k, v = self.self_attn.project_kv_heads_first(h)
     x = x + self.self_attn(h, [(k, v, mask, bias)])
-    return x + self.mlp(self.mlp_norm(x))
+    return x + self.mlp(self.mlp_norm(x)), None
 
 
 class _DecoderLayer(nn.Module):
@@ -183,19 +185,29 @@ class _DecoderLayer(nn.Module):
     self.cross_attn_norm, self.cross_attn = _norm(self.cfg), _Attention(self.cfg)
     self.mlp_norm, self.mlp = _norm(self.cfg), _Mlp(self.cfg)
 
-  def cross_kv(self, enc_out):
-    return self.cross_attn.project_kv_heads_first(enc_out)
+  def cross_kv(self, carry, enc_out):
+    """A scan step that carries nothing: enc_out [B,E,D] -> cross keys, values [B,H,E,Dh]."""
+    return carry, self.cross_attn.project_kv_heads_first(enc_out)
 
   def __call__(self, x, layer_cache, masks, biases, cross_mask):
-    """layer_cache = (k_buf, v_buf [B,H,S,Dh], cross_k, cross_v [B,H,E,Dh]), read only; masks and
-    biases: (cache entries, this block's entries). Returns x and the block's k, v [B,T,H,Dh]."""
+    """x [B,T,D] (the scan carry); layer_cache = (k_buf, v_buf [B,H,S,Dh], cross_k, cross_v
+    [B,H,E,Dh]), this layer's slice of the cache, read only; masks and biases: (cache entries,
+    this block's entries). Returns x and the block's k, v [B,T,H,Dh]."""
     k_buf, v_buf, cross_k, cross_v = layer_cache
     h = self.self_attn_norm(x)
     k, v = self.self_attn.project_kv(h)                                  # [B, T, H, Dh]
     own = (attention.heads_first(k), attention.heads_first(v))
     x = x + self.self_attn(h, [(k_buf, v_buf, masks[0], biases[0]), (*own, masks[1], biases[1])])
     x = x + self.cross_attn(self.cross_attn_norm(x), [(cross_k, cross_v, cross_mask, None)])
-    return x + self.mlp(self.mlp_norm(x)), k, v
+    return x + self.mlp(self.mlp_norm(x)), (k, v)
+
+
+def _scanned(layer: type[nn.Module], num_layers: int, **in_axes):
+  """`layer` with its params stacked [L, ...] and each method in `in_axes` (name -> the scan
+  in_axes of its non-carry arguments) run under one lax.scan, so depth does not add compile time."""
+  scan = dict(variable_axes={"params": 0}, split_rngs={"params": True}, length=num_layers)
+  return nn.scan(layer, methods={method: dict(scan, in_axes=axes)
+                                 for method, axes in in_axes.items()})
 
 
 class _Stack(nn.Module):
@@ -209,9 +221,12 @@ class _Stack(nn.Module):
                                   (cfg.relative_attention_num_buckets, cfg.num_heads),
                                   jnp.dtype(cfg.dtype))
     if self.decoder:
-      self.layers = [_DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
+      cache_axes = (0, nn.broadcast, nn.broadcast, nn.broadcast)
+      layers = _scanned(_DecoderLayer, cfg.num_decoder_layers, __call__=cache_axes,
+                        cross_kv=(nn.broadcast,))
     else:
-      self.layers = [_EncoderLayer(cfg) for _ in range(cfg.num_layers)]
+      layers = _scanned(_EncoderLayer, cfg.num_layers, __call__=(nn.broadcast, nn.broadcast))
+    self.layers = layers(cfg)
     self.final_norm = _norm(cfg)
 
   def bias(self, query_pos, key_pos):
@@ -227,14 +242,13 @@ class _Stack(nn.Module):
     pos = jnp.arange(x.shape[1], dtype=jnp.int32)
     bias = self.bias(pos[None], pos)                                      # [1, H, E, E]
     mask = jnp.broadcast_to(enc_mask[:, None, :], (x.shape[0], x.shape[1], x.shape[1]))
-    for layer in self.layers:
-      x = layer(x, mask, bias)
+    x, _ = self.layers(x, mask, bias)
     return self.final_norm(x)
 
   def cross_kv(self, enc_out):
     """enc_out [B,E,D] -> cross keys, values [L,B,H,E,Dh]."""
-    kv = [layer.cross_kv(enc_out) for layer in self.layers]
-    return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+    _, (k, v) = self.layers.cross_kv(None, enc_out)
+    return k, v
 
   def decode(self, x, cache: kvc.KVCache):
     """x [B,T,D] embedded tokens at positions lengths[b]+t -> (hidden [B,T,D], the block's new
@@ -247,13 +261,9 @@ class _Stack(nn.Module):
     biases = (self.bias(kvc.positions(cache.lengths, num_new), cached),       # [B, H, T, S]
               self.bias(own[None], own))                                     # [1, H, T, T]
     cross_mask = cache.enc_mask[:, None, :]                                    # [B, 1, E]
-    ks, vs = [], []
-    for i, layer in enumerate(self.layers):
-      layer_cache = (cache.k[i], cache.v[i], cache.cross_k[i], cache.cross_v[i])
-      x, k, v = layer(x, layer_cache, masks, biases, cross_mask)
-      ks.append(k)
-      vs.append(v)
-    return self.final_norm(x), jnp.stack(ks), jnp.stack(vs)
+    layer_caches = (cache.k, cache.v, cache.cross_k, cache.cross_v)          # [L, B, H, S|E, Dh]
+    x, (k, v) = self.layers(x, layer_caches, masks, biases, cross_mask)
+    return self.final_norm(x), k, v
 
 
 class _T5Module(nn.Module):
@@ -405,36 +415,44 @@ def model_from_hf_config(hf_config: dict, dtype: str) -> T5:
 
 def _param_table(cfg: T5Config, untied: bool) -> dict[tuple[str, ...], tuple[str, bool]]:
   """THE parameter layout: our param path -> (HF tensor name, transposed?). Used by init, import
-  and export. torch Linear weights are [out, in], ours [in, out]."""
+  and export. Leaves under {encoder,decoder}/layers are stacked [L, ...]; their HF name has `{i}`
+  for the layer. torch Linear weights are [out, in], ours [in, out]."""
   names = {("shared", "embedding"): ("shared.weight", False)}
   if untied:
     names[("lm_head", "kernel")] = ("lm_head.weight", True)
   ff = ("wi_0", "wi_1", "wo") if cfg.is_gated else ("wi", "wo")
-  for stack, num in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
+  for stack in ("encoder", "decoder"):
     names[(stack, "relpos_bias")] = (
         f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", False)
     names[(stack, "final_norm", "scale")] = (f"{stack}.final_layer_norm.weight", False)
     subs = [("self_attn", "SelfAttention")]
     subs += [("cross_attn", "EncDecAttention")] if stack == "decoder" else []
-    for i in range(num):
-      ours = (stack, f"layers_{i}")
-      for j, (attn, hf_attn) in enumerate(subs):
-        hf = f"{stack}.block.{i}.layer.{j}"
-        for proj, hf_proj in zip(("query", "key", "value", "out"), "qkvo"):
-          names[ours + (attn, proj, "kernel")] = (f"{hf}.{hf_attn}.{hf_proj}.weight", True)
-        names[ours + (f"{attn}_norm", "scale")] = (f"{hf}.layer_norm.weight", False)
-      hf = f"{stack}.block.{i}.layer.{len(subs)}"
-      for proj in ff:
-        names[ours + ("mlp", proj, "kernel")] = (f"{hf}.DenseReluDense.{proj}.weight", True)
-      names[ours + ("mlp_norm", "scale")] = (f"{hf}.layer_norm.weight", False)
+    ours = (stack, "layers")
+    for j, (attn, hf_attn) in enumerate(subs):
+      hf = f"{stack}.block.{{i}}.layer.{j}"
+      for proj, hf_proj in zip(("query", "key", "value", "out"), "qkvo"):
+        names[ours + (attn, proj, "kernel")] = (f"{hf}.{hf_attn}.{hf_proj}.weight", True)
+      names[ours + (f"{attn}_norm", "scale")] = (f"{hf}.layer_norm.weight", False)
+    hf = f"{stack}.block.{{i}}.layer.{len(subs)}"
+    for proj in ff:
+      names[ours + ("mlp", proj, "kernel")] = (f"{hf}.DenseReluDense.{proj}.weight", True)
+    names[ours + ("mlp_norm", "scale")] = (f"{hf}.layer_norm.weight", False)
   return names
 
 
+def _num_layers(cfg: T5Config, path: tuple[str, ...]) -> int | None:
+  """L of a stacked leaf ({encoder,decoder}/layers/...), None for the others."""
+  if path[1:2] != ("layers",):
+    return None
+  return cfg.num_layers if path[0] == "encoder" else cfg.num_decoder_layers
+
+
 def _leaf_spec(cfg: T5Config, path: tuple[str, ...]) -> tuple[tuple[int, ...], float | None]:
-  """(shape, init std) of a param; std None means ones (norm scales). Stds as mesh-tf / HF T5."""
+  """(shape, init std) of a param, [L] first when stacked; std None means ones (norm scales).
+  Stds as mesh-tf / HF T5."""
   name = path[-2] if path[-1] == "kernel" else path[-1]
   d, f, inner = cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.d_kv
-  return {
+  shape, std = {
       "embedding": ((cfg.vocab_size, d), 1.0), "lm_head": ((d, cfg.vocab_size), 1.0),
       "relpos_bias": ((cfg.relative_attention_num_buckets, cfg.num_heads), d ** -0.5),
       "query": ((d, inner), (d * cfg.d_kv) ** -0.5), "key": ((d, inner), d ** -0.5),
@@ -442,6 +460,21 @@ def _leaf_spec(cfg: T5Config, path: tuple[str, ...]) -> tuple[tuple[int, ...], f
       "wi": ((d, f), d ** -0.5), "wi_0": ((d, f), d ** -0.5), "wi_1": ((d, f), d ** -0.5),
       "wo": ((f, d), f ** -0.5), "scale": ((d,), None),
   }[name]
+  layers = _num_layers(cfg, path)
+  return ((layers,) + shape if layers else shape), std
+
+
+def _hf_shapes(cfg: T5Config, names) -> dict[str, tuple[int, ...]]:
+  """HF tensor name -> the shape the config implies, one entry per layer of stacked leaves."""
+  shapes = {}
+  for path, (hf, transpose) in names.items():
+    shape = _leaf_spec(cfg, path)[0]
+    layers = _num_layers(cfg, path)
+    shape = shape[1:] if layers else shape
+    shape = shape[::-1] if transpose else shape
+    for i in range(layers or 1):
+      shapes[hf.format(i=i)] = shape
+  return shapes
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
@@ -456,7 +489,7 @@ def _get(tree: dict, path: tuple[str, ...]):
   return tree
 
 
-def _untied_in_checkpoint(model: T5, tensors: dict[str, np.ndarray]) -> bool:
+def _untied_in_checkpoint(model: T5, tensors: Mapping[str, np.ndarray]) -> bool:
   """A separate head when the config says so, or when lm_head.weight differs from shared.weight
   (transformers >= 5 writes tie_word_embeddings=true for v1.1 and keeps the real lm_head)."""
   if "lm_head.weight" not in tensors:
@@ -467,27 +500,40 @@ def _untied_in_checkpoint(model: T5, tensors: dict[str, np.ndarray]) -> bool:
                             np.asarray(tensors["shared.weight"]))
 
 
-def params_from_hf(model: T5, tensors: dict[str, np.ndarray]) -> Params:
-  names = _param_table(model.config, _untied_in_checkpoint(model, tensors))
-  missing = [hf for hf, _ in names.values() if hf not in tensors]
+def _stack(read_layer, num_layers: int, dtype) -> jax.Array:
+  """[L, ...] leaf from read_layer(i) (one layer's array), filled in place in the target dtype."""
+  first = np.asarray(read_layer(0))
+  out = np.empty((num_layers,) + first.shape, dtype)
+  out[0] = first
+  for i in range(1, num_layers):
+    out[i] = read_layer(i)
+  return jnp.asarray(out)
+
+
+def params_from_hf(model: T5, tensors: Mapping[str, np.ndarray]) -> Params:
+  cfg = model.config
+  names = _param_table(cfg, _untied_in_checkpoint(model, tensors))
+  shapes = _hf_shapes(cfg, names)
+  missing = [hf for hf in shapes if hf not in tensors]
   if missing:
     raise ValueError(f"T5 checkpoint lacks {len(missing)} tensors the config implies, e.g. "
                      f"{missing[:3]}: config.json does not match model.safetensors.")
-  known = {hf for hf, _ in names.values()} | set(_HF_IGNORED) | {"lm_head.weight"}
+  known = set(shapes) | set(_HF_IGNORED) | {"lm_head.weight"}
   unexpected = sorted(set(tensors) - known)
   if unexpected:
     raise ValueError(f"T5 checkpoint has {len(unexpected)} tensors the config does not explain, "
                      f"e.g. {unexpected[:3]}: check num_layers / feed_forward_proj in config.json.")
+  for hf, want in shapes.items():
+    if np.shape(tensors[hf]) != want:
+      raise ValueError(f"T5 checkpoint tensor {hf} has shape {np.shape(tensors[hf])}; the config "
+                       f"implies {want}: config.json does not match the weights.")
   params: Params = {}
   for path, (hf, transpose) in names.items():
-    array = np.asarray(tensors[hf])
-    array = array.T if transpose else array
-    want = _leaf_spec(model.config, path)[0]
-    if array.shape != want:
-      raise ValueError(f"T5 checkpoint tensor {hf} has shape {tensors[hf].shape}; the config "
-                       f"implies {want[::-1] if transpose else want}: config.json does not match "
-                       f"the weights.")
-    _set(params, path, jnp.asarray(array, model.dtype))
+    read = lambda i: (np.asarray(tensors[hf.format(i=i)]).T if transpose
+                      else np.asarray(tensors[hf.format(i=i)]))
+    layers = _num_layers(cfg, path)
+    value = _stack(read, layers, model.dtype) if layers else jnp.asarray(read(0), model.dtype)
+    _set(params, path, value)
   return params
 
 
@@ -495,7 +541,10 @@ def params_to_hf(model: T5, params: Params) -> dict[str, np.ndarray]:
   out = {}
   for path, (hf, transpose) in _param_table(model.config, "lm_head" in params).items():
     array = np.asarray(_get(params, path))
-    out[hf] = array.T if transpose else array
+    layers = _num_layers(model.config, path)
+    for i in range(layers or 1):
+      tensor = array[i] if layers else array
+      out[hf.format(i=i)] = tensor.T if transpose else tensor
   return out
 
 

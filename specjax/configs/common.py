@@ -17,6 +17,14 @@ def model(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.C
   return ml_collections.ConfigDict(dict(checkpoint=checkpoint, dtype=dtype, **fields))
 
 
+def embedded_pair(config: ml_collections.ConfigDict, pair: str) -> None:
+  """The sections of an embedded pair (specjax.app.zoo builds it on first use): the target, the
+  DistillSpec-distilled draft (`draft`) and the same draft before distillation (`draft_raw`)."""
+  config.target = model(f"builtin:{pair}/target")
+  config.draft = model(f"builtin:{pair}/draft_distilled")
+  config.draft_raw = model(f"builtin:{pair}/draft")
+
+
 def decode(**overrides) -> ml_collections.ConfigDict:
   """The `decode` section: speculative and sampling settings of `python -m specjax.decode`."""
   fields = dict(gamma=4, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, seed=0,

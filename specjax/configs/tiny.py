@@ -15,9 +15,7 @@ from specjax.configs import common
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.target = common.model("builtin:tiny/target")
-  c.draft = common.model("builtin:tiny/draft_distilled")
-  c.draft_raw = common.model("builtin:tiny/draft")
+  common.embedded_pair(c, "tiny")
   c.rule = common.rule("exact")
   c.decode = common.decode()
   c.data = common.stdlib_lm_data()

@@ -12,9 +12,7 @@ from specjax.configs import common
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.target = common.model("builtin:tiny_t5/target")
-  c.draft = common.model("builtin:tiny_t5/draft_distilled")
-  c.draft_raw = common.model("builtin:tiny_t5/draft")
+  common.embedded_pair(c, "tiny_t5")
   c.rule = common.rule("exact")
   c.decode = common.decode(max_new_tokens=32)
   c.data = ml_collections.ConfigDict(dict(task="stdlib_sum", tokenizer="stdlib:bpe:2000",

@@ -201,7 +201,7 @@ class _CountingTensors(Mapping):
 def test_params_from_hf_reads_each_tensor_once_and_names_bad_ones(hf, ours):
   _, _, path = hf
   model, params = ours
-  tensors = hf_import.read_tensors(path)
+  tensors = dict(hf_import.read_tensors(path))    # an editable copy: read_tensors is lazy
   counting = _CountingTensors(tensors)
   jax.tree_util.tree_map(np.testing.assert_array_equal, llama.params_from_hf(model, counting),
                          params)

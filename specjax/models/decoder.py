@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import ModelBase, Prompt
-from specjax.models import attention
+from specjax.models import attention, hf_tensors
 from specjax.models import kv_cache as kvc
 
 Params = Any
@@ -329,43 +329,50 @@ def _get(tree: dict, path: tuple[str, ...]):
   return tree
 
 
-def _stack(read_layer, num_layers: int, dtype) -> jax.Array:
-  """[L, ...] leaf from read_layer(i) (one layer's array), filled in place in the target dtype."""
-  first = np.asarray(read_layer(0))
-  out = np.empty((num_layers,) + first.shape, dtype)
-  out[0] = first
-  for i in range(1, num_layers):
-    out[i] = read_layer(i)
-  return jnp.asarray(out)
+def _hf_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
+  """HF GPT-2 tensor name (without `transformer.`) -> the shape the config implies."""
+  cfg = model.config
+  ours = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
+  layers = ours["layers"]
+  shapes = {name: _get(ours, path).shape for path, name in _HF_TOP.items()}
+  for i in range(cfg.num_layers):
+    shapes.update({f"h.{i}.{name}": _get(layers, path).shape[1:]
+                   for path, name in _HF_LAYER.items()})
+    for leaf, name in _C_ATTN.items():
+      third = layers["attention"]["query"][leaf].shape[1:]
+      shapes[f"h.{i}.{name}"] = third[:-1] + (3 * third[-1],)
+  if not cfg.tie_word_embeddings:
+    shapes["lm_head.weight"] = ours["lm_head"]["kernel"].shape[::-1]
+  return shapes
 
 
 def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
-  """HF GPT-2 tensors -> params. Conv1D weights are already [in, out]; c_attn [D,3D] splits into
-  query/key/value. Names with or without the `transformer.` prefix are accepted."""
+  """HF GPT-2 tensors (a lazy mapping: each lookup reads one tensor) -> params on the device in
+  the model dtype. Names, shapes and dtypes are checked before any data is read. Conv1D weights
+  are already [in, out]; c_attn [D,3D] splits into query/key/value. Names with or without the
+  `transformer.` prefix are accepted."""
   cfg = model.config
   keys = {k.removeprefix("transformer."): k for k in tensors if not k.endswith(_HF_BUFFERS)}
-  wanted = set(_HF_TOP.values()) | {f"h.{i}.{name}" for i in range(cfg.num_layers)
-                                    for name in (*_HF_LAYER.values(), *_C_ATTN.values())}
-  if not cfg.tie_word_embeddings:
-    wanted.add("lm_head.weight")
-  missing = sorted(wanted - set(keys))
-  if missing:
-    raise ValueError(f"GPT-2 checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}: does "
-                     f"its config.json (n_layer={cfg.num_layers}, tie_word_embeddings="
-                     f"{cfg.tie_word_embeddings}) match the weights?")
-  read = lambda name: np.asarray(tensors[keys[name]])
-  dt, layers = model.dtype, cfg.num_layers
+  expected = {keys.get(name, name): shape for name, shape in _hf_shapes(model).items()}
+  hf_tensors.check_tensors(tensors, expected, "GPT-2",
+                          f"does its config.json (n_layer={cfg.num_layers}, n_embd={cfg.d_model}, "
+                          f"tie_word_embeddings={cfg.tie_word_embeddings}) match the weights?")
+  read = lambda name: tensors[keys[name]]
+  dt, num_layers = model.dtype, cfg.num_layers
   params: dict = {}
   for path, name in _HF_TOP.items():
-    _set(params, path, jnp.asarray(read(name), dt))
+    _set(params, path, hf_tensors.to_device(read(name), dt))
   for path, name in _HF_LAYER.items():
-    _set(params, ("layers",) + path, _stack(lambda i: read(f"h.{i}.{name}"), layers, dt))
+    layer = lambda i: read(f"h.{i}.{name}")
+    _set(params, ("layers",) + path, hf_tensors.stack_layers(layer, num_layers, dt))
   for third, proj in enumerate(_QKV):
     for leaf, name in _C_ATTN.items():
       part = lambda i: np.split(read(f"h.{i}.{name}"), 3, axis=-1)[third]    # [D, 3D] -> [D, D]
-      _set(params, ("layers", "attention", proj, leaf), _stack(part, layers, dt))
+      _set(params, ("layers", "attention", proj, leaf),
+           hf_tensors.stack_layers(part, num_layers, dt))
   if not cfg.tie_word_embeddings:
-    params["lm_head"] = {"kernel": jnp.asarray(read("lm_head.weight").T, dt)}   # [V,D] -> [D,V]
+    head = read("lm_head.weight").T                                         # [V, D] -> [D, V]
+    params["lm_head"] = {"kernel": hf_tensors.to_device(head, dt)}
   return params
 
 

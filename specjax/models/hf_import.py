@@ -1,12 +1,16 @@
 """Hugging Face checkpoints <-> specjax params: local directories, safetensors, tokenizers.
 
-Each model module (t5.py, decoder.py) provides the architecture-specific pieces:
+Each model module (t5.py, decoder.py, llama.py) provides the architecture-specific pieces:
   MODEL_TYPES: tuple of HF `model_type` strings it reads
   model_from_hf_config(hf_config: dict, dtype: str) -> model
-  params_from_hf(model, tensors: dict[str, np.ndarray]) -> params
+  params_from_hf(model, tensors: Mapping[str, np.ndarray]) -> params
   params_to_hf(model, params) -> dict[str, np.ndarray]
   hf_config(model) -> dict
-This module only finds files, reads and writes them, and dispatches on `model_type`.
+This module finds files, reads and writes them, and dispatches on `model_type`.
+
+Loading streams: `load_model` hands params_from_hf a lazy mapping (`hf_tensors.LazyTensors`) in
+which each lookup reads one tensor from its memory-mapped safetensors file; the modules check
+and place tensors with the helpers of `hf_tensors`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+
+from specjax.models.hf_tensors import CorruptCheckpointError, LazyTensors
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -54,25 +60,31 @@ def resolve_checkpoint(name_or_dir: str, override_flag: str = "--config.target.c
 def _weight_files(path: Path) -> list[Path]:
   index = path / "model.safetensors.index.json"
   if index.exists():
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    try:
+      shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, AttributeError) as err:
+      raise CorruptCheckpointError(f"{index} is not a safetensors index (a JSON object with a "
+                                   f"'weight_map'): {err!r}") from err
     return [path / s for s in shards]
   single = path / "model.safetensors"
   return [single] if single.exists() else []
 
 
-def read_tensors(path: Path) -> dict[str, np.ndarray]:
-  from safetensors.numpy import load_file
-  tensors: dict[str, np.ndarray] = {}
-  for f in _weight_files(path):
+def read_tensors(path: Path) -> LazyTensors:
+  """The checkpoint's tensors, lazily (see LazyTensors); headers are checked here."""
+  files = _weight_files(Path(path))
+  for f in files:
     if not f.exists():
       raise CheckpointNotFoundError(f"shard {f} named in the safetensors index is missing")
-    tensors.update(load_file(str(f)))
-  return tensors
+  return LazyTensors(files)
 
 
 def load_model(name_or_dir: str, dtype: str = "float32",
                override_flag: str = "--config.target.checkpoint"):
-  """Returns (model, params) for a local HF checkpoint directory or a cached hub id."""
+  """Returns (model, params) for a local HF checkpoint directory or a cached hub id, the params
+  read tensor by tensor straight into `dtype` on the default device. Raises ValueError for an
+  unsupported model_type or dtype, or tensors that do not match config.json (before any data is
+  read), CorruptCheckpointError for a damaged weights file."""
   path = resolve_checkpoint(name_or_dir, override_flag)
   hf_config = json.loads((path / "config.json").read_text())
   model_type = hf_config.get("model_type")

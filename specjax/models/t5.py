@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import ModelBase, Prompt
-from specjax.models import attention
+from specjax.models import attention, hf_tensors
 from specjax.models import kv_cache as kvc
 
 Params = dict[str, Any]
@@ -500,39 +500,33 @@ def _untied_in_checkpoint(model: T5, tensors: Mapping[str, np.ndarray]) -> bool:
                             np.asarray(tensors["shared.weight"]))
 
 
-def _stack(read_layer, num_layers: int, dtype) -> jax.Array:
-  """[L, ...] leaf from read_layer(i) (one layer's array), filled in place in the target dtype."""
-  first = np.asarray(read_layer(0))
-  out = np.empty((num_layers,) + first.shape, dtype)
-  out[0] = first
-  for i in range(1, num_layers):
-    out[i] = read_layer(i)
-  return jnp.asarray(out)
+def _reader(tensors: Mapping[str, np.ndarray], hf: str, transpose: bool):
+  """i -> tensor `hf` (layer i's when stacked) in our orientation, read when called."""
+  def read(i: int) -> np.ndarray:
+    array = np.asarray(tensors[hf.format(i=i)])
+    return array.T if transpose else array
+  return read
 
 
 def params_from_hf(model: T5, tensors: Mapping[str, np.ndarray]) -> Params:
+  """HF T5 tensors (a lazy mapping: each lookup reads one tensor) -> params on the device in the
+  model dtype. Names, shapes and dtypes are checked before any data is read."""
   cfg = model.config
-  names = _param_table(cfg, _untied_in_checkpoint(model, tensors))
+  names = _param_table(cfg, untied="lm_head.weight" in tensors)
   shapes = _hf_shapes(cfg, names)
-  missing = [hf for hf in shapes if hf not in tensors]
-  if missing:
-    raise ValueError(f"T5 checkpoint lacks {len(missing)} tensors the config implies, e.g. "
-                     f"{missing[:3]}: config.json does not match model.safetensors.")
-  known = set(shapes) | set(_HF_IGNORED) | {"lm_head.weight"}
-  unexpected = sorted(set(tensors) - known)
+  hf_tensors.check_tensors(tensors, shapes, "T5", "config.json does not match model.safetensors.")
+  unexpected = sorted(set(tensors) - set(shapes) - set(_HF_IGNORED))
   if unexpected:
     raise ValueError(f"T5 checkpoint has {len(unexpected)} tensors the config does not explain, "
                      f"e.g. {unexpected[:3]}: check num_layers / feed_forward_proj in config.json.")
-  for hf, want in shapes.items():
-    if np.shape(tensors[hf]) != want:
-      raise ValueError(f"T5 checkpoint tensor {hf} has shape {np.shape(tensors[hf])}; the config "
-                       f"implies {want}: config.json does not match the weights.")
+  if not _untied_in_checkpoint(model, tensors):
+    names.pop(("lm_head", "kernel"), None)
   params: Params = {}
   for path, (hf, transpose) in names.items():
-    read = lambda i: (np.asarray(tensors[hf.format(i=i)]).T if transpose
-                      else np.asarray(tensors[hf.format(i=i)]))
+    read = _reader(tensors, hf, transpose)
     layers = _num_layers(cfg, path)
-    value = _stack(read, layers, model.dtype) if layers else jnp.asarray(read(0), model.dtype)
+    value = (hf_tensors.stack_layers(read, layers, model.dtype) if layers
+             else hf_tensors.to_device(read(0), model.dtype))
     _set(params, path, value)
   return params
 

@@ -1,0 +1,119 @@
+"""Reading checkpoint tensors lazily, and the helpers `params_from_hf` builds params with.
+
+`LazyTensors` maps tensor names to arrays over single or sharded safetensors files; a lookup reads
+one tensor from its memory-mapped file. A model module's params_from_hf first calls
+`check_tensors` (names, shapes and dtypes from the file headers, before any data is read, so a
+mismatched checkpoint is refused with nothing loaded), then builds each leaf with `to_device` or
+`stack_layers`, which cast every tensor to the model dtype as it is read and put each leaf on the
+device as it is built: the host holds one stacked leaf at a time, never a float32 model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import jax
+import numpy as np
+
+SOURCE_DTYPES = ("float16", "bfloat16", "float32", "float64")   # stored dtypes we cast from
+_SAFETENSORS_DTYPES = {   # header code -> numpy name; others (F8_E4M3, ...) keep their code
+    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool",
+    "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64"}
+
+
+class CorruptCheckpointError(ValueError):
+  """A weights file (or shard index) that cannot be read: truncated, or not safetensors."""
+
+
+def _open(path: Path):
+  """safe_open, with the file named in the error a damaged file raises."""
+  from safetensors import SafetensorError, safe_open
+  try:
+    return safe_open(str(path), framework="numpy")
+  except (SafetensorError, OSError) as err:
+    raise CorruptCheckpointError(f"{path} is not a readable safetensors file (truncated or "
+                                 f"corrupt?): {err}") from err
+
+
+class LazyTensors(Mapping):
+  """name -> np.ndarray over single or sharded safetensors files; a lookup reads one tensor.
+
+  Construction reads every file's header (names, shapes, dtypes), so a truncated or corrupt file
+  is refused, by name, before any tensor data is read. A lookup maps the tensor's file, copies
+  that one tensor out and unmaps the file again, so the pages it touched do not stay in this
+  process's resident memory.
+  """
+
+  def __init__(self, files: list[Path]):
+    self._file: dict[str, Path] = {}
+    self._header: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in files:
+      with _open(path) as handle:
+        for name in handle.keys():
+          info = handle.get_slice(name)
+          dtype = info.get_dtype()
+          self._file[name] = path
+          self._header[name] = (tuple(info.get_shape()), _SAFETENSORS_DTYPES.get(dtype, dtype))
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    with _open(self._file[name]) as handle:
+      return handle.get_tensor(name)
+
+  def __contains__(self, name) -> bool:   # from the headers: Mapping's default would read it
+    return name in self._file
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._file)
+
+  def __len__(self) -> int:
+    return len(self._file)
+
+  def header(self, name: str) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype name) of a tensor, without reading it."""
+    return self._header[name]
+
+
+def tensor_header(tensors: Mapping, name: str) -> tuple[tuple[int, ...], str]:
+  """(shape, dtype name) of tensors[name]: from the file header when lazy, else the array's."""
+  if isinstance(tensors, LazyTensors):
+    return tensors.header(name)
+  array = np.asarray(tensors[name])
+  return array.shape, array.dtype.name
+
+
+def check_tensors(tensors: Mapping, expected: Mapping[str, tuple[int, ...]], what: str,
+                  hint: str) -> None:
+  """Refuse, before any data is read, a checkpoint that lacks an expected tensor, holds one of
+  another shape than the config implies, or stores one in a dtype outside SOURCE_DTYPES.
+  expected: tensor name -> shape; what: the family ("GPT-2"); hint: the likely cause."""
+  missing = [name for name in expected if name not in tensors]
+  if missing:
+    raise ValueError(f"{what} checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}: "
+                     f"{hint}")
+  for name, want in expected.items():
+    shape, dtype = tensor_header(tensors, name)
+    if tuple(shape) != tuple(want):
+      raise ValueError(f"{what} checkpoint tensor {name} has shape {tuple(shape)}; the config "
+                       f"implies {tuple(want)}: {hint}")
+    if dtype not in SOURCE_DTYPES:
+      raise ValueError(f"{what} checkpoint tensor {name} is stored as {dtype}; specjax reads "
+                       f"{SOURCE_DTYPES} (quantized checkpoints are not supported).")
+
+
+def to_device(array: np.ndarray, dtype) -> jax.Array:
+  """One leaf: cast on the host (bfloat16 through ml_dtypes), then put on the default device."""
+  return jax.device_put(np.asarray(array).astype(dtype, copy=False))
+
+
+def stack_layers(read_layer: Callable[[int], np.ndarray], num_layers: int, dtype) -> jax.Array:
+  """A stacked [L, ...] leaf from read_layer(i), layer i's array in our orientation: each one is
+  cast into its slot of one host buffer in the target dtype as it is read, and the buffer is
+  put on the device, so loading holds one leaf on the host, never the model in float32."""
+  first = np.asarray(read_layer(0))
+  stacked = np.empty((num_layers,) + first.shape, dtype)                     # [L, ...]
+  stacked[0] = first
+  del first
+  for i in range(1, num_layers):
+    stacked[i] = read_layer(i)
+  return jax.device_put(stacked)

@@ -129,6 +129,20 @@ class HFTokenizer:
                bos_id=_first_id(tok.bos_token_id, generation.get("bos_token_id"), eos_ids[0]),
                pad_id=_first_id(tok.pad_token_id, generation.get("pad_token_id"), eos_ids[0]))
 
+  @classmethod
+  def from_gguf(cls, path: str | os.PathLike) -> "HFTokenizer":
+    """The tokenizer a GGUF file's metadata describes (byte-level BPE, its chat template, and
+    every end-of-generation id), built in memory."""
+    from specjax.models import gguf_import
+    ckpt = gguf_import.GGUFCheckpoint(path)
+    ids = gguf_import.generation_config(ckpt)
+    eos_ids = tuple(_id_list(ids.get("eos_token_id")))
+    if not eos_ids:
+      raise ValueError(f"the GGUF file {path} defines no EOS token (tokenizer.ggml.eos_token_id)")
+    return cls(path=str(path), tok=gguf_import.build_tokenizer(ckpt), eos_ids=eos_ids,
+               bos_id=_first_id(ids.get("bos_token_id"), eos_ids[0]),
+               pad_id=_first_id(ids.get("pad_token_id"), eos_ids[0]))
+
   @property
   def vocab_size(self) -> int:
     return len(self.tok)
@@ -236,13 +250,17 @@ def _take_chars(texts: Sequence[str], max_chars: int | None) -> list[str]:
 
 def get_tokenizer(spec: str) -> Tokenizer | HFTokenizer:
   """A tokenizer from a config string: "stdlib:unigram:8000" / "stdlib:bpe:2000" (trained and
-  cached on first use), a SentencePiece .model file, or a local Hugging Face checkpoint dir."""
+  cached on first use), a SentencePiece .model file, a GGUF file (its metadata's tokenizer), or a
+  local Hugging Face checkpoint dir."""
   match = _SPEC.match(spec)
   if match:
     return stdlib_tokenizer(match.group(1), int(match.group(2)))
   if os.path.isdir(spec):
     return HFTokenizer.load(spec)
+  if os.path.isfile(spec) and spec.endswith(".gguf"):
+    return HFTokenizer.from_gguf(spec)
   if os.path.isfile(spec):
     return Tokenizer.load(spec)
   raise ValueError(f"tokenizer {spec!r} is neither 'stdlib:<unigram|bpe>:<vocab_size>', a "
-                   "SentencePiece .model file, nor a local Hugging Face checkpoint directory")
+                   "SentencePiece .model file, a GGUF file, nor a local Hugging Face checkpoint "
+                   "directory")

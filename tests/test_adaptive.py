@@ -100,6 +100,9 @@ def test_sd_only_recording_label():
     (dict(min_window=3, max_window=2), "min_window <= max_window"),
     (dict(tau_v_rule="median"), "tau_v_rule"),
     (dict(record="sometimes"), "record must be one of"),
+    (dict(min_window=0), r"1 <= min_window <= max_window, got min_window 0, max_window 20"),
+    (dict(tau_g_init=math.nan), "tau_g_init must be a number .*got nan"),
+    (dict(tau_v_init=math.nan), "tau_v_init must be a number .*got nan"),
 ])
 def test_bad_hyperparameters_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -92,3 +92,20 @@ def test_single_draft_acceptance_is_one_minus_tv():
   beta = float(jnp.minimum(p, q).sum())                                 # 0.6
   sigma = np.sqrt(beta * (1 - beta) / n_rows)
   assert abs(float(n.mean()) - beta) < 4 * sigma
+
+
+@pytest.mark.parametrize("name", ["exact", "lenient", "adaptive"])
+def test_a_draft_the_draft_could_not_propose_is_rejected(name):
+  """q(x) = 0 at the draft token: rejected whatever u and p (log p - log q = +inf passed before),
+  and the next token comes from norm(max(0, p - q)), here p restricted to q's zeros."""
+  rows = 512
+  p = jnp.log(jnp.array([0.4, 0.3, 0.2, 0.1]))
+  q = jnp.log(jnp.array([0.0, 0.5, 0.5, 0.0]))
+  q_logp = jnp.broadcast_to(q, (rows, 1, 4))
+  p_logp = jnp.broadcast_to(p, (rows, 2, 4))
+  rule = registry.get(name)
+  keys = sampling.row_keys(jax.random.PRNGKey(5), rows)
+  n, nxt, _ = rule.verify(jnp.zeros((rows, 1), jnp.int32), jnp.ones(rows, jnp.int32), q_logp,
+                          p_logp, keys, rule.init_state(rows))
+  assert int(n.sum()) == 0
+  assert set(np.unique(np.asarray(nxt))) == {0, 3}

@@ -144,6 +144,20 @@ def test_draft_token_is_never_looked_at():
   assert 0 < int(n0.sum()) < 64
 
 
+@pytest.mark.parametrize("inclusive", [False, True])
+def test_threshold_infinity_accepts_drafts_of_infinite_divergence(inclusive):
+  """p and q with disjoint supports: KL is inf both ways. T = inf accepts all K = 3 drafts, a
+  huge finite T rejects them, as did the old test d < T at T = inf (d = inf: inf < inf is False)."""
+  p, q = [[.5, .5, 0, 0]] * 2, [[0, 0, .5, .5]] * 2
+  q3 = np.repeat(np.asarray(q)[:, None], 3, axis=1)                     # [2, K=3, 4]
+  for name in ("kl", "rkl"):
+    rule = registry.get("fuzzy", divergence=name, threshold=(math.inf, 1e30), inclusive=inclusive)
+    d = rule.divergences(_packed(rule, p, 1), _packed(rule, q, 1))
+    assert np.isposinf(np.asarray(d)).all(), name
+    n, _, _ = _verify(rule, p, q3)
+    assert list(np.asarray(n)) == [3, 0], name
+
+
 @dataclasses.dataclass(frozen=True)
 class _ResidualMutant(fuzzy.Fuzzy):
   """Mutant: after a rejection it samples norm(max(0, p - q)) as exact SD does."""
@@ -197,16 +211,30 @@ def test_random_mode_mean_accepted_is_the_geometric_sum():
   assert abs(float(n.mean()) - want) < 4 * sd / math.sqrt(rows)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(threshold=-0.1), "threshold must be >= 0"),
-    (dict(threshold=()), "empty"),
-    (dict(divergence="hellinger"), "unknown divergence"),
-    (dict(mode="oracle"), "mode must be one of"),
-    (dict(divergence_on="logits"), "divergence_on must be one of"),
+@pytest.mark.parametrize("name,kwargs,match", [
+    ("fuzzy", dict(threshold=-0.1), r"threshold must be >= 0 .*got -0.1"),
+    ("fuzzy", dict(threshold=math.nan), r"threshold must be >= 0 .*got nan"),
+    ("fuzzy", dict(threshold=(0.1, math.nan)), r"threshold must be >= 0 .*got \(0.1, nan\)"),
+    ("fuzzy", dict(threshold=()), "empty"),
+    ("fuzzy", dict(divergence="hellinger"), "unknown divergence"),
+    ("fuzzy", dict(divergence="tv_topk", k=-2), r"fuzzy k \(top-k size .* >= 1, got -2"),
+    ("fuzzy", dict(mode="oracle"), "mode must be one of"),
+    ("fuzzy", dict(mode="random", threshold=2.0), r"threshold .* in \[0, 1\], got 2.0"),
+    ("fuzzy", dict(divergence_on="logits"), "divergence_on must be one of"),
+    ("fuzzy_random", dict(threshold=1.5), r"fuzzy_random threshold .* in \[0, 1\], got 1.5"),
+    ("fuzzy_random", dict(threshold=math.inf), r"in \[0, 1\], got inf"),
+    ("fuzzy_random", dict(threshold=(0.5, 1.2)), r"in \[0, 1\], got \(0.5, 1.2\)"),
+    ("fuzzy_random", dict(threshold=-0.5), r"threshold must be >= 0 .*got -0.5"),
 ])
-def test_bad_hyperparameters_are_refused(kwargs, match):
+def test_bad_hyperparameters_are_refused(name, kwargs, match):
   with pytest.raises(ValueError, match=match):
-    registry.get("fuzzy", **kwargs)
+    registry.get(name, **kwargs)
+
+
+def test_edge_hyperparameters_are_accepted():
+  assert registry.get("fuzzy_random", threshold=(0.0, 1.0)).threshold == (0.0, 1.0)
+  assert registry.get("fuzzy", threshold=math.inf).threshold == math.inf
+  assert registry.get("fuzzy", divergence="tv_topk", k=1).k == 1
 
 
 def test_threshold_list_becomes_a_hashable_tuple_and_must_match_the_batch():

@@ -112,7 +112,13 @@ def test_f_exp_at_zero_probability_has_no_nan():
   assert set(np.unique(np.asarray(n))) == {0, 1}
 
 
-@pytest.mark.parametrize("kwargs", [dict(eps=0.0), dict(eps=1.5), dict(kind="cubic")])
-def test_bad_hyperparameters_are_refused(kwargs):
-  with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(eps=0.0), r"eps must be in \(0, 1\] .*got 0.0"),
+    (dict(eps=-0.2), r"eps must be in \(0, 1\] .*got -0.2"),
+    (dict(eps=1.5), r"eps must be in \(0, 1\] .*got 1.5"),
+    (dict(eps=float("nan")), r"eps must be in \(0, 1\] .*got nan"),
+    (dict(kind="cubic"), r"kind must be one of \('lin', 'sq', 'exp'\), got 'cubic'"),
+])
+def test_bad_hyperparameters_are_refused(kwargs, match):
+  with pytest.raises(ValueError, match=match):
     registry.get("lenient", **kwargs)

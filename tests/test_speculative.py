@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specjax import sampling, testing
-from specjax.acceptance import exact, registry
+from specjax.acceptance import base, exact, registry
 from specjax.decoding import autoregressive, speculative
 from specjax.models import Prompt
 from specjax.models.kv_cache import CacheOverflowError
@@ -210,6 +210,30 @@ def test_greedy_sd_equals_greedy_target_decoding(kind, rule, gamma, draft):
   np.testing.assert_array_equal(got.tokens, want.tokens)
   if draft == "noisy":
     assert int(got.stats.accepted.sum()) > 0             # the drafts were sometimes right
+
+
+@dataclasses.dataclass(frozen=True)
+class _SampledFirstToken(exact.Greedy):
+  """The old loop: greedy's first token sampled with the run's warp, later tokens argmax."""
+
+  def first_token(self, p_logits, warp, keys):
+    return base.Rule.first_token(self, p_logits, warp, keys)
+
+
+@pytest.mark.parametrize("warp", [Warp(temperature=1.0), Warp(temperature=1.0, top_k=2)])
+def test_greedy_rule_is_greedy_target_decoding_under_a_sampling_warp(warp):
+  """The greedy rule's output is greedy target decoding whatever the warp, first token included
+  (the loop asks rule.first_token); the old sampled first token fails the same comparison."""
+  good = {"table": testing.draft_table(jax.random.PRNGKey(1), TARGET["table"], "good")}
+  prompt, key = Prompt.from_lists(ROWS * 4), jax.random.PRNGKey(6)          # 32 rows
+  want = autoregressive.generate(MODEL, TARGET, prompt, key, max_new_tokens=6,
+                                 warp=Warp(temperature=0.0), eos_id=EOS)
+  got = _spec(prompt, key, draft_params=good, rule="greedy", warp=warp)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
+  assert int(got.stats.accepted.sum()) > 0                 # the drafts were sometimes right
+  old = _spec(prompt, key, draft_params=good, rule=_SampledFirstToken(), warp=warp)
+  assert (np.asarray(old.tokens[:, 0]) != np.asarray(want.tokens[:, 0])).any()
 
 
 # ----------------------------------------------------------------------------- verify widths

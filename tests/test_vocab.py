@@ -158,6 +158,8 @@ def test_toy_maps_and_images():
     registry.get("intersection", vocab=vm, min_overlap=0.7)
   with pytest.raises(ValueError, match="needs vocab=VocabMap"):
     registry.get("union")
+  with pytest.raises(ValueError, match=r"'union': min_overlap .* in \[0, 1\], got 1.5"):
+    registry.get("union", vocab=vm, min_overlap=1.5)
   rule = registry.get("intersection", vocab=vm)
   assert hash(rule) == hash(registry.get("intersection", vocab=vm))   # static-arg friendly
 
@@ -235,8 +237,12 @@ class Mutant(vocab.Intersection):
     return n, nxt, rule_state
 
 
-def run_loop(rule, runs: int, seed: int, squash: bool = False, n: int = 4, gamma: int = 3):
+def run_loop(rule, runs: int, seed: int, squash: bool = False, n: int = 4, gamma: int = 3,
+             empty_contexts: tuple[str, ...] = ()):
+  """empty_contexts: contexts where the draft gives every shared token logit -inf (q̃ is empty)."""
   p_tab, q_tab = tables(seed)
+  rows = [ctx_index(c) for c in empty_contexts]
+  q_tab[np.ix_(rows, toy_vocab(squash).inter_d)] = -np.inf
   target, draft = CharModel(tuple(T_PIECES)), CharModel(tuple(D_PIECES))
   t_ids = ToyTok(tuple(T_PIECES)).encode(PROMPT)
   d_ids = ToyTok(tuple(D_PIECES), squash).encode(PROMPT)
@@ -268,6 +274,44 @@ def test_tli_lossless_and_mutant_fails():
   assert 0 < gen.stats.alpha() < 1 and gen.stats.tau() > 1
   law, counts, _ = run_loop(Mutant(vocab=vm), runs, seed=3)
   assert not lossless(law, counts, runs)[0]
+
+
+class _AcceptsUnproposable(vocab.Intersection):
+  """The old TLI: a draft with q̃(x) = 0 passed the ratio test (log u < log p - (-inf) = inf).
+  -1e30 for -inf reproduces it: the ratio still accepts, exp(-1e30) = 0 keeps the residual."""
+
+  def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
+    return super().verify(draft_tokens, draft_len, jnp.maximum(q_logp, -1e30), p_logp, keys,
+                          rule_state)
+
+
+def test_tli_without_shared_draft_mass_rejects_and_decodes_from_the_target():
+  """After an 'a' the draft puts no mass on T ∩ D: those drafts are arbitrary ids with q̃ = 0,
+  rejected, and the token comes from p (Alg 4's AR step): the law stays the target's. The old
+  rule accepted them (TV 0.20 here) and fails the same test."""
+  runs, empty = 50_000, ("a", "aa", "ba")
+  vm = toy_vocab()
+  law, counts, gen = run_loop(vocab.Intersection(vocab=vm), runs, seed=3, n=3,
+                              empty_contexts=empty)
+  ok, pval, tv = lossless(law, counts, runs)
+  assert ok, (pval, tv)
+  assert 0 < gen.stats.alpha() < 1                         # other contexts still accept drafts
+  law, counts, _ = run_loop(_AcceptsUnproposable(vocab=vm), runs, seed=3, n=3,
+                            empty_contexts=empty)
+  ok, pval, tv = lossless(law, counts, runs)
+  assert not ok and tv > 0.1, (pval, tv)
+
+
+@pytest.mark.parametrize("warp", [sampling.Warp(), sampling.Warp(temperature=0.0),
+                                  sampling.Warp(temperature=0.8, top_k=2, top_p=0.9)])
+def test_tli_q_is_empty_without_finite_shared_logits(warp):
+  """No NaN, and no one-hot on the first shared id at temperature 0."""
+  vm = toy_vocab()
+  logits = jnp.asarray([[-jnp.inf, -jnp.inf, 0.5, 1.0, -jnp.inf],      # only 'aa', 'bb' finite
+                        [0.2, -1.0, 0.5, 1.0, 0.3]])
+  q = np.exp(np.asarray(vocab.Intersection(vocab=vm).q_log_probs(logits, warp)))
+  np.testing.assert_array_equal(q[0], 0.0)
+  assert q[1].sum() == pytest.approx(1.0, abs=1e-6) and not np.isnan(q).any()
 
 
 @pytest.mark.slow

@@ -85,6 +85,9 @@ class Adaptive(base.Rule):
       raise ValueError(f"adaptive tau_v_rule must be one of {TAU_V_RULES}, got {self.tau_v_rule!r}")
     if self.record not in RECORDS:
       raise ValueError(f"adaptive record must be one of {RECORDS}, got {self.record!r}")
+    for name in ("tau_g_init", "tau_v_init"):
+      if math.isnan(getattr(self, name)):
+        raise ValueError(f"adaptive {name} must be a number (inf allowed), got nan")
 
   def init_state(self, batch: int) -> AdaState:
     return AdaState.zeros(batch)
@@ -148,7 +151,7 @@ class Adaptive(base.Rule):
     uniforms, sample_keys = base.verify_streams(keys, num)               # same streams as exact
     log_q = base.take_tokens(q_logp, draft_tokens)                       # [B, K]
     log_p = base.take_tokens(p_logp[:, :num], draft_tokens)
-    sd_accept = jnp.log(uniforms) < log_p - log_q
+    sd_accept = base.ratio_accept(uniforms, log_p, log_q)               # q(x) = 0: rejected
     dist = dv.js_distance_log_probs(p_logp[:, :num], q_logp)             # [B, K]
     n = self.accepted(sd_accept, dist, draft_len, rule_state)
     p_n, q_n = base.take_position(p_logp, n), base.take_position(q_logp, n)

@@ -1,6 +1,10 @@
 """The Rule interface every acceptance rule implements, and the shared rejection-sampling kernel.
 
-The speculative loop (specjax/decoding/speculative.py) calls, per block:
+The speculative loop (specjax/decoding/speculative.py) calls, once after the target's prefill:
+
+  rule.first_token(p_logits[B, V], warp, keys) -> token[B]   # the first generated token
+
+and per block:
 
   q_logp = rule.q_log_probs(draft_logits, warp)       # [B, V] per drafting step
   rule.keep_drafting(q_logp, step, rule_state) -> bool[B]   # False stops the row's drafting
@@ -13,6 +17,8 @@ The speculative loop (specjax/decoding/speculative.py) calls, per block:
 arguments of jit: every field must be hashable.
 
 The contract is declarative: the loop asks the rule, it never inspects it.
+  first_token       how the first token is drawn from the target's prefill logits: by default a
+                    sample of the run's warp (as autoregressive decoding); greedy takes argmax.
   variable_length   True when keep_drafting / stop_after can end a row's drafts early (AdaSD);
                     False: every row drafts gamma tokens (the loop unrolls the draft steps).
   to_target_ids     draft proposals -> the target ids fed to the verify pass (a rule whose
@@ -64,6 +70,13 @@ class Rule:
   def draft_images(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Target ids [...] -> (draft encodings [..., W], their lengths [...]); W = 1 by default."""
     return self.to_draft_ids(tokens)[..., None], jnp.ones_like(tokens)
+
+  def first_token(self, p_logits: jax.Array, warp: sampling.Warp, keys: jax.Array) -> jax.Array:
+    """Target prefill logits [B, V], keys [B] -> the first generated token [B] (int32).
+
+    Drawn before any draft exists, so it follows the rule's output law with the target alone:
+    a sample of the warped target (autoregressive decoding's first token, same keys)."""
+    return warp.sample(p_logits, keys)
 
   def propose(self, q_logp: jax.Array, keys: jax.Array) -> jax.Array:
     """q_logp [B, V], keys [B] -> draft token [B]: a sample of warped q."""
@@ -139,13 +152,23 @@ def verify_streams(keys: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
   return jax.vmap(per_draft)(sampling.fold_rows(keys, 0)), sampling.fold_rows(keys, 1)
 
 
+def ratio_accept(uniforms: jax.Array, log_fp: jax.Array, log_q: jax.Array) -> jax.Array:
+  """The speculative test u < f(p(x)) / q(x), as log u < log f - log q, elementwise -> bool.
+
+  A draft with q(x) = 0 is rejected: the draft could not have proposed it (a rule whose q is empty
+  at a position proposes an arbitrary id there, see vocab.Intersection), and log f - log q = +inf
+  would accept it whatever p. Example: log q = -inf, log f = log 0.3 -> False (not inf > log u).
+  """
+  return (log_q > -jnp.inf) & (jnp.log(uniforms) < log_fp - log_q)
+
+
 def rejection_verify(draft_tokens: jax.Array, draft_len: jax.Array, q_logp: jax.Array,
                      p_logp: jax.Array, keys: jax.Array,
                      log_f: Callable[[jax.Array], jax.Array],
                      residual: bool = True) -> tuple[jax.Array, jax.Array]:
   """Speculative rejection sampling with acceptance min(1, f(p)/q) (DistillSpec Alg. A.1).
 
-  draft i is accepted iff u_i < f(p_i(x_i)) / q_i(x_i), tested as log u_i < log f - log q.
+  draft i is accepted iff q_i(x_i) > 0 and u_i < f(p_i(x_i)) / q_i(x_i) (ratio_accept).
   After n acceptances: if n < draft_len the next token is drawn from norm(max(0, p_n - q_n))
   (or from p_n when residual=False), else it is the bonus token drawn from p_n.
   Returns (n [B], next_token [B]).
@@ -154,8 +177,7 @@ def rejection_verify(draft_tokens: jax.Array, draft_len: jax.Array, q_logp: jax.
   uniforms, sample_keys = verify_streams(keys, num)
   log_q = take_tokens(q_logp, draft_tokens)                              # [B, K]
   log_fp = log_f(take_tokens(p_logp[:, :num], draft_tokens))             # [B, K]
-  accept = jnp.log(uniforms) < log_fp - log_q
-  n = prefix_accepted(accept, draft_len)
+  n = prefix_accepted(ratio_accept(uniforms, log_fp, log_q), draft_len)
   p_n = take_position(p_logp, n)                                         # [B, V]
   q_n = take_position(q_logp, n)                                         # [B, V] (unused if bonus)
   rejected = (n < draft_len)[:, None]

@@ -33,8 +33,12 @@ class Greedy(base.Rule):
   """Accept a draft iff it is the target's argmax; the next token is the target's argmax.
 
   The draft proposes its own argmax. The output equals greedy target decoding token for token,
-  whatever the warp and the draft.
+  whatever the warp and the draft: the first token too is the target's argmax (first_token).
   """
+
+  def first_token(self, p_logits, warp, keys):
+    del warp, keys
+    return jnp.argmax(p_logits, axis=-1).astype(jnp.int32)
 
   def propose(self, q_logp, keys):
     del keys

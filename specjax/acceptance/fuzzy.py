@@ -7,7 +7,7 @@ divergence Div(p_j, q_j) < T, then emit one token drawn from the target's own wa
 
 The decision is deterministic (no uniform), so the output is not the target's law: the paper's
 bound is Div(P_T, P_FSD) <= N * %MD * T. T = 0 (strict `<`) is target-only decoding; T = inf
-accepts every draft.
+accepts every draft, also where d = inf (distributions with zeros: KL, or warped top-k).
 
 * threshold: one float, or a tuple with one float per batch row (the rule stays hashable, i.e. a
   static jit argument, so one compiled batch sweeps thresholds: row b uses threshold[b]).
@@ -18,7 +18,7 @@ accepts every draft.
   concatenated on the last axis (2V wide); "warped" uses the warped distributions only (V wide).
 * The draft proposes its argmax (HF forces greedy drafting); sample_draft=True samples warped q.
 * mode="random" is the paper's ablation (Fig. 6): accept each draft iff u_j <= T, u_j ~ U(0, 1),
-  so E[n] = sum_{j<=L} T^j. It is also registered as `fuzzy_random`.
+  so E[n] = sum_{j<=L} T^j; T is then a probability, in [0, 1]. Also registered as `fuzzy_random`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ def _as_thresholds(value) -> float | tuple[float, ...]:
   return values if isinstance(value, (list, tuple)) else values[0]
 
 
+def _as_tuple(threshold: float | tuple[float, ...]) -> tuple[float, ...]:
+  return threshold if isinstance(threshold, tuple) else (threshold,)
+
+
 @register("fuzzy")
 @dataclasses.dataclass(frozen=True)
 class Fuzzy(base.Rule):
@@ -68,6 +72,11 @@ class Fuzzy(base.Rule):
     object.__setattr__(self, "threshold", _as_thresholds(self.threshold))
     if self.mode not in MODES:
       raise ValueError(f"fuzzy mode must be one of {MODES}, got {self.mode!r}")
+    if self.mode == "random" and not all(t <= 1 for t in _as_tuple(self.threshold)):
+      raise ValueError(f"{self.rule_name} threshold (mode='random') is an acceptance probability: "
+                       f"it must be in [0, 1], got {self.threshold}")
+    if self.divergence.endswith("_topk") and not self.k >= 1:
+      raise ValueError(f"fuzzy k (top-k size of {self.divergence}) must be >= 1, got {self.k!r}")
     if self.divergence_on not in DIVERGENCE_ON:
       raise ValueError(f"fuzzy divergence_on must be one of {DIVERGENCE_ON}, got "
                        f"{self.divergence_on!r}")
@@ -132,7 +141,8 @@ class Fuzzy(base.Rule):
       accept = uniforms <= thresholds
     else:
       d = self.divergences(p_logp[:, :num], q_logp)                      # [B, K]
-      accept = d <= thresholds if self.inclusive else d < thresholds
+      within = d <= thresholds if self.inclusive else d < thresholds
+      accept = within | (thresholds == jnp.inf)                          # T = inf: even d = inf
     n = base.prefix_accepted(accept, draft_len)
     p_n, _ = self._split(base.take_position(p_logp, n))                  # [B, V] warped
     q_n, _ = self._split(base.take_position(q_logp, n))

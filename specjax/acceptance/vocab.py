@@ -208,6 +208,9 @@ class _CrossVocab(base.Rule):
   needs_same_vocab: ClassVar[bool] = False
 
   def __post_init__(self):
+    if not 0 <= self.min_overlap <= 1:
+      raise ValueError(f"rule {self.rule_name!r}: min_overlap (a share of the target vocabulary) "
+                       f"must be in [0, 1], got {self.min_overlap}")
     if not isinstance(self.vocab, VocabMap):
       raise ValueError(f"rule {self.rule_name!r} needs vocab=VocabMap (build it with "
                        f"specjax.acceptance.vocab.build(target_tokenizer, draft_tokenizer))")
@@ -242,12 +245,23 @@ class _CrossVocab(base.Rule):
 class Intersection(_CrossVocab):
   """TLI (Alg 4): the draft's head pruned to T ∩ D (logits[..., inter_d]), warped there, so q̃ is
   q renormalised on the overlap; scatter-added into target ids; standard SD verification.
-  Acceptance sum_I min(p, q̃) >= union's sum_I min(p, q) (Thm 4.1)."""
+  Acceptance sum_I min(p, q̃) >= union's sum_I min(p, q) (Thm 4.1).
+
+  Fallback (Alg 4, "if sum_I q = 0, take one AR step"): where the draft gives no shared token a
+  finite logit, q̃ is empty (all -inf over target ids). The proposal there is an arbitrary id
+  with q̃ = 0, which verify rejects with probability 1 (base.ratio_accept), and the token is drawn
+  from norm((p - 0)+) = p: that position is decoded by the target alone.
+  """
 
   def q_log_probs(self, q_logits, warp):
-    rows = self.vocab.inter_d
-    q_i = jnp.exp(warp.log_probs(q_logits[..., jnp.asarray(rows)]))     # [..., K]
-    return self._scatter(q_i, rows)
+    """Draft logits [..., V_D] -> log q̃ over target ids [..., V_T]; all -inf where q̃ is empty.
+
+    Example: inter_d = [0, 1, 4], logits at those rows [-inf, -inf, -inf] -> every entry -inf
+    (the warp alone would give NaN, or a one-hot on row 0 at temperature 0)."""
+    shared = q_logits[..., jnp.asarray(self.vocab.inter_d)]                # [..., K]
+    has_mass = jnp.any(shared > -jnp.inf, axis=-1, keepdims=True)         # [..., 1]
+    q_i = jnp.where(has_mass, jnp.exp(warp.log_probs(shared)), 0.0)       # [..., K]
+    return self._scatter(q_i, self.vocab.inter_d)
 
   def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
     _pad_check(q_logp, p_logp, "intersection")
@@ -282,8 +296,9 @@ class Union(_CrossVocab):
     uniforms, sample_keys = base.verify_streams(keys, num)
     inside = draft_tokens < vocab
     tok = jnp.minimum(draft_tokens, vocab - 1)
-    ratio = base.take_tokens(p_logp[:, :num], tok) - base.take_tokens(q_logp, tok)
-    n = base.prefix_accepted(inside & (jnp.log(uniforms) < ratio), draft_len)
+    accept = base.ratio_accept(uniforms, base.take_tokens(p_logp[:, :num], tok),
+                               base.take_tokens(q_logp, tok))
+    n = base.prefix_accepted(inside & accept, draft_len)
     p_n, q_n = base.take_position(p_logp, n), base.take_position(q_logp, n)
     fix = jnp.where((n < draft_len)[:, None], base.residual_log_probs(p_n, q_n), p_n)
     return n, sampling.categorical(fix, sample_keys), rule_state

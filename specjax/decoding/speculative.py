@@ -10,8 +10,9 @@ Each block, for every row that is not done:
      the target cache back so that it holds the committed stream minus its last (pending) token.
 
 Keys: row b's block starting at generated length g uses fold_in(fold_in(row_key_b, g), 0) for
-drafting (then fold_in(., step)) and fold_in(., 1) for verification. The first token is sampled
-from the target's prefill logits with fold_in(row_key_b, 0), exactly as autoregressive decoding.
+drafting (then fold_in(., step)) and fold_in(., 1) for verification. The first token is the
+rule's first_token of the target's prefill logits with fold_in(row_key_b, 0): a sample of the warp,
+exactly as autoregressive decoding, unless the rule says otherwise (greedy: the argmax).
 """
 
 from __future__ import annotations
@@ -128,12 +129,13 @@ def _run_python(setup, target_params, draft_params, prompt, draft_prompt, keys) 
 
 
 def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
-  """Prefill both models; the first token comes from the target's prefill logits."""
+  """Prefill both models; the first token is the rule's draw from the target's prefill logits."""
   target, draft = setup.target, setup.draft
   batch = prompt.tokens.shape[0]
   tcache = target.init_cache(batch, setup.max_len, prompting.enc_len(target, prompt))
   logits, _, tcache = target.prefill(target_params, prompt, tcache)      # [B, V]
-  first = setup.warp.sample(logits, sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32)))
+  first_keys = sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32))
+  first = setup.rule.first_token(logits, setup.warp, first_keys).astype(jnp.int32)   # [B]
   dcache = draft.init_cache(batch, setup.max_len, prompting.enc_len(draft, draft_prompt))
   _, _, dcache = draft.prefill(draft_params, draft_prompt, dcache)
   anchors = Anchors(target_base=tcache.lengths, draft_base=dcache.lengths,

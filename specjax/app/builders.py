@@ -127,6 +127,7 @@ class DecodeSettings:
   max_len: int = 0               # cache size of both models; 0: just enough
   batch_size: int = 1
   lookbehind: int = 10           # string-level rules: tokens re-encoded behind a draft
+  chat: bool = False             # prompts wrapped in the target tokenizer's chat template
 
   @property
   def warp(self) -> Warp:

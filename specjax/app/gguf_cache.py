@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specjax.data.cache import cache_dir, settings_key
@@ -43,4 +44,4 @@ def hf_dir(gguf_path: Path) -> Path:
 
 def _progress() -> Progress:
   return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=False)
+                  TimeElapsedColumn(), console=Console(stderr=True))

@@ -32,19 +32,29 @@ def aggregate(rows: list[dict]) -> dict:
 
 def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: int = 16,
                    pad_batches: bool = True):
-  """Decode `prompts` in batches; returns [(prompt, generated ids, text, per-row stats)].
+  """Decode `prompts` (in the chat template with decode.chat) in batches; returns [(prompt,
+  generated ids, text, per-row stats)], each prompt as given.
   pad_batches: the last batch is filled with repeats of its last prompt, so that every batch
   has one shape (the eval tools); rows past the prompts are dropped."""
+  texts = formatted(method, prompts)
   out = []
   for start in range(0, len(prompts), batch_size):
-    chunk = prompts[start:start + batch_size]
+    chunk = texts[start:start + batch_size]
     n = len(chunk)
     if pad_batches:
       chunk = chunk + [chunk[-1]] * (batch_size - n)
     gen = method.generate(method.prepare(chunk), jax.random.fold_in(key, start))
-    rows = zip(chunk, method.texts(gen), stats_rows(gen.stats, len(chunk)))
-    out += [(p, ids, text, st) for p, (ids, text), st in list(rows)[:n]]
+    rows = zip(prompts[start:start + n], method.texts(gen), stats_rows(gen.stats, len(chunk)))
+    out += [(p, ids, text, st) for p, (ids, text), st in rows]
   return out
+
+
+def formatted(method: methods.Method, prompts: list[str]) -> list[str]:
+  """With decode.chat, every prompt as one user turn in the target's chat template (the draft
+  reads the same text, so both models see the same tokens)."""
+  if not method.settings.chat:
+    return list(prompts)
+  return [method.target.tokenizer.apply_chat_template(p) for p in prompts]
 
 
 def run(config, prompts: list[str]) -> dict:

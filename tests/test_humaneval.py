@@ -1,0 +1,99 @@
+"""HumanEval evaluation (eval/humaneval.py) and its sandbox (eval/sandbox.py) on a tiny fake
+problem set: a passing, a failing, an infinite-loop, a memory-hog and a network-using completion;
+the loop and the hog are stopped and counted as failures, and the evaluation goes on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from eval import humaneval, sandbox
+
+PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
+TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
+COMPLETIONS = {
+    "pass": "    return a + b\n\n\ndef unused():\n    raise SystemExit(1)\n",   # cut at \ndef
+    "fail": "    return a - b\n",
+    "loop": "    while True:\n        pass\n",
+    "hog": "    x = []\n    while True:\n        x.append(bytearray(1 << 24))\n",
+    "network": "    import socket\n    socket.create_connection(('127.0.0.1', 9))\n    return a + b\n",
+}
+LIMITS = sandbox.Limits(timeout_s=2.0, memory_mb=256)
+
+
+@pytest.fixture
+def problems(tmp_path):
+  path = tmp_path / "fake.jsonl"
+  rows = [{"task_id": f"Fake/{name}", "prompt": PROMPT, "test": TEST, "entry_point": "add"}
+          for name in COMPLETIONS]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+def test_sandbox_passes_fails_and_stops_loops_and_hogs(problems):
+  start = time.perf_counter()
+  records = humaneval.evaluate(humaneval.load_problems(problems), list(COMPLETIONS.values()),
+                               LIMITS)
+  elapsed = time.perf_counter() - start
+  results = {r["task_id"].split("/")[1]: r["result"] for r in records}
+  assert results["pass"] == "passed"
+  assert results["fail"] == "failed: AssertionError"
+  assert results["loop"] == "timed out"
+  assert results["hog"] == "failed: MemoryError"
+  assert "PermissionError" in results["network"]
+  assert [r["passed"] for r in records] == [True, False, False, False, False]
+  assert elapsed < 15                                   # the loop costs its 2 s limit, no more
+  assert records[0]["completion"] == "    return a + b\n\n"                     # cut at \ndef
+
+
+def test_sandbox_has_no_route_below_the_python_guard():
+  """Where the kernel allows unshare(2), the raw socket module finds no network either."""
+  allowed = subprocess.run([sys.executable, "-c", "import ctypes, sys; "
+                            "sys.exit(ctypes.CDLL(None).unshare(0x40000000) != 0 and "
+                            "ctypes.CDLL(None).unshare(0x50000000) != 0)"]).returncode == 0
+  if not allowed:
+    pytest.skip("no network namespaces here: only the Python-level guard applies")
+  probe = "import _socket\ns = _socket.socket()\ns.settimeout(2)\ns.connect(('1.1.1.1', 53))\n"
+  assert sandbox.run(probe, LIMITS) == sandbox.Outcome(
+      False, "failed: OSError: [Errno 101] Network is unreachable")
+
+
+def test_sandbox_limits_output_and_deletion():
+  flood = sandbox.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
+                      sandbox.Limits(timeout_s=5.0, memory_mb=256, output_mb=1))
+  assert flood == sandbox.Outcome(False, "failed: OSError: [Errno 27] File too large")
+  assert "PermissionError" in sandbox.run("import os\nos.remove('/tmp/x')\n", LIMITS).status
+  assert sandbox.run("print('fine')\n", LIMITS) == sandbox.Outcome(True, "passed")
+
+
+def test_truncate_at_stop_sequences():
+  assert humaneval.truncate("    return 1\n\nif __name__ == '__main__':\n    main()") == \
+      "    return 1\n"
+  assert humaneval.truncate("    return 1\n# tests\n") == "    return 1"
+  assert humaneval.truncate("    return 1\n") == "    return 1\n"
+
+
+def test_cli_reports_pass_at_1(problems, tmp_path, monkeypatch, capsys):
+  """The CLI flow with decoding stubbed out: completions -> sandbox -> report."""
+
+  class Stub:
+    label = "stub"
+    settings = type("S", (), {"max_new_tokens": 8})()
+
+    def with_settings(self, **_):
+      return self
+
+  monkeypatch.setattr(humaneval.methods, "build", lambda config: Stub())
+  texts = list(COMPLETIONS.values())
+  monkeypatch.setattr(humaneval.runner, "generate_texts", lambda method, prompts, key, batch:
+                      [(p, [1, 2, 3], t, {}) for p, t in zip(prompts, texts)])
+  out = tmp_path / "report.json"
+  assert humaneval.main(["--config", "tiny.py", "--problems", str(problems), "--limit", "2",
+                         "--timeout_s", "2", "--output_json", str(out)]) == 0
+  assert "stub: pass@1 1/2 = 0.500" in capsys.readouterr().out
+  report = json.loads(out.read_text())
+  assert report["pass@1"] == 0.5 and [r["passed"] for r in report["results"]] == [True, False]

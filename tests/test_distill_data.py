@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,56 @@ def test_markov_source_deterministic():
   assert not np.array_equal(a.targets, c.targets)
   assert a.targets.shape == (4, 5) and a.prompt.tokens.shape == (4, 3)
   assert int(a.targets.min()) >= 2
+  fresh = data.MarkovSource(vocab_size=32, batch_size=4, prompt_len=3, target_len=5)
+  np.testing.assert_array_equal(fresh.batch(7).targets, a.targets)       # (seed, step) only
+  held_out = src.batch(7, split="validation")
+  assert not np.array_equal(held_out.targets, a.targets)
+  with pytest.raises(ValueError, match="unknown split"):
+    src.batch(0, split="dev")
+
+
+def test_markov_source_is_sparse_at_t5_vocab():
+  """At the T5 / LM1B vocabulary the chain keeps k successors per token (a [V, k] table, not
+  [V, V]) and every transition of a batch follows that table."""
+  src = data.MarkovSource(vocab_size=32128, batch_size=8, prompt_len=16, target_len=16, seed=3)
+  table = src.successor_table
+  assert table.shape == (32128, 64) and table.dtype == np.int32
+  assert table.min() >= 2 and table.max() < 32128
+  seq = src.sequences(5)
+  assert seq.shape == (8, 32)
+  for row in seq:
+    for prev, nxt in zip(row[:-1], row[1:]):
+      assert nxt in table[prev]
+  assert src.rank_cdf[-1] == 1.0 and np.all(np.diff(src.rank_cdf) > 0)
+  first_ranks = np.mean([nxt == table[prev, 0] for row in seq for prev, nxt in
+                         zip(row[:-1], row[1:])])
+  assert 0.1 < first_ranks < 0.6          # Zipf(1.2) over 64 ranks: rank 0 has p ~ 0.27
+
+
+def test_offline_stand_in_for_missing_tfds_data(tmp_path, caplog):
+  """lm1b not prepared (an empty data_dir, or no tensorflow-datasets): the stdlib_lm corpus with a
+  logged notice, fixed-shape batches under the given tokenizer; a tokenizer larger than the
+  models' vocabulary is refused with both sizes."""
+  from specjax.data import stdlib_corpus, tokenizer
+  from specjax.distill import sources
+  texts = stdlib_corpus.load_corpus(verbose=False).lm_split("train")[:200]
+  spm = tokenizer.train_sentencepiece(texts, tmp_path / "t.model", model_type="bpe",
+                                      vocab_size=600)
+  options = sources.DataOptions(kind="task", task="lm1b", tokenizer=str(spm), vocab_size=1024,
+                                prompt_len=16, target_len=8, data_dir=str(tmp_path))
+  with caplog.at_level("INFO", logger="specjax.distill.sources"):
+    source = sources.open_source(options, batch_size=4)
+  assert source.task.name == "stdlib_lm"
+  assert "lm1b is not available here" in caplog.text and "stdlib_lm" in caplog.text
+  assert "ready in" in caplog.text
+  batch = source.batch(3)
+  assert batch.prompt.tokens.shape == (4, 16) and batch.targets.shape == (4, 8)
+  assert int(batch.targets.max()) < 600
+  np.testing.assert_array_equal(source.batch(3).targets, batch.targets)
+  with pytest.raises(sources.VocabTooSmallError, match="600 ids but the models have vocab_size 64"):
+    sources.open_source(dataclasses.replace(options, vocab_size=64), batch_size=4)
+  with pytest.raises(sources.UnknownSourceError, match="use one of markov, task"):
+    sources.open_source(dataclasses.replace(options, kind="tfrecord"), batch_size=4)
 
 
 def test_sampled_batches_are_homogeneous_and_on_policy():

@@ -13,6 +13,7 @@ constants for the loss: gradients never flow through the sampling (no REINFORCE 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -126,39 +127,69 @@ def mixed_batch(mixture: Mixture, sampler: Sampler | None, step: int, batch: Bat
   return sampler(source, batch, student_params, teacher_params, key), source
 
 
+SPLIT_STREAMS = {"train": 0, "validation": 1, "test": 2}
+
+
 @dataclasses.dataclass(frozen=True)
 class MarkovSource:
-  """A seeded order-1 Markov language with Zipf-like transitions (real entropy, so temperature-1
-  samples and TVD are non-trivial). `.batch(step)` is deterministic in step: a stand-in dataset
-  for tests and the tiny configs. Token 0 is padding, 1 is EOS (never emitted by the chain)."""
+  """A seeded order-1 Markov language: a stand-in dataset for tests, the tiny configs and
+  throughput runs, with real entropy (temperature-1 samples and TVD are non-trivial).
+
+  Every token has `successors` candidate next tokens, drawn once from a seeded generator (a [V, k]
+  table: O(V k) time and memory, 8 MB for V = 32128, k = 64), taken with Zipf weights over their k
+  ranks. A batch then costs O(batch * length) table lookups whatever the vocabulary size.
+  `.batch(step, split)` is deterministic in (seed, split, step); the splits are disjoint random
+  streams of the same language. Token 0 is padding, 1 is EOS (never emitted by the chain).
+  """
   vocab_size: int
   batch_size: int
   prompt_len: int = 8
   target_len: int = 16
   seed: int = 0
   zipf: float = 1.2
+  successors: int = 64
 
-  def transitions(self) -> np.ndarray:
-    """[V, V] row-stochastic matrix over ids >= 2."""
-    rng = np.random.default_rng(self.seed)
-    v = self.vocab_size
-    weights = 1.0 / np.arange(1, v - 1) ** self.zipf
-    table = np.zeros((v, v))
-    for row in range(v):
-      table[row, 2:] = weights[rng.permutation(v - 2)]
-    return table / table.sum(1, keepdims=True)
+  def __post_init__(self):
+    if self.vocab_size < 3:
+      raise ValueError(f"a Markov source needs vocab_size >= 3 (pad, EOS, a token), got "
+                       f"{self.vocab_size}")
+    if min(self.batch_size, self.prompt_len, self.target_len, self.successors) < 1:
+      raise ValueError(f"batch_size, prompt_len, target_len and successors must be >= 1: {self}")
 
-  def batch(self, step: int) -> Batch:
-    from specjax.models import Prompt
-    table = self.transitions()
-    rng = np.random.default_rng([self.seed, int(step)])
+  @functools.cached_property
+  def successor_table(self) -> np.ndarray:
+    """[V, k] int32: row v lists the candidate next tokens of v (ids >= 2), most likely first.
+    Drawn with replacement: a repeated candidate only merges two ranks' weights."""
+    rng = np.random.default_rng([self.seed, 0x4D4B])
+    k = min(self.successors, self.vocab_size - 2)
+    return rng.integers(2, self.vocab_size, (self.vocab_size, k), dtype=np.int32)
+
+  @functools.cached_property
+  def rank_cdf(self) -> np.ndarray:
+    """[k] cumulative Zipf probabilities of the ranks (the last is exactly 1)."""
+    k = self.successor_table.shape[1]
+    weights = 1.0 / np.arange(1, k + 1) ** self.zipf
+    cdf = np.cumsum(weights / weights.sum())
+    cdf[-1] = 1.0
+    return cdf
+
+  def sequences(self, step: int, split: str = "train") -> np.ndarray:
+    """[batch_size, prompt_len + target_len] int32 token ids of the batch at `step`."""
+    if split not in SPLIT_STREAMS:
+      raise ValueError(f"unknown split {split!r}: use one of {tuple(SPLIT_STREAMS)}")
+    rng = np.random.default_rng([self.seed, SPLIT_STREAMS[split], int(step)])
     total = self.prompt_len + self.target_len
     seq = np.zeros((self.batch_size, total), np.int32)
     seq[:, 0] = rng.integers(2, self.vocab_size, self.batch_size)
-    cum = np.cumsum(table, 1)
+    ranks = np.searchsorted(self.rank_cdf, rng.random((self.batch_size, total - 1)), side="right")
+    table = self.successor_table
     for t in range(1, total):
-      u = rng.random(self.batch_size)[:, None]
-      seq[:, t] = np.minimum((u > cum[seq[:, t - 1]]).sum(1), self.vocab_size - 1)
+      seq[:, t] = table[seq[:, t - 1], ranks[:, t - 1]]
+    return seq
+
+  def batch(self, step: int, split: str = "train") -> Batch:
+    from specjax.models import Prompt
+    seq = self.sequences(step, split)
     prompt = Prompt(tokens=jnp.asarray(seq[:, :self.prompt_len]),
                     lengths=jnp.full((self.batch_size,), self.prompt_len, jnp.int32))
     return Batch(prompt=prompt, targets=jnp.asarray(seq[:, self.prompt_len:]),

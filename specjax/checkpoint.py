@@ -1,9 +1,10 @@
 """Orbax checkpoints of a training run: params, optimizer state, step, data position and rng.
 
-A run resumes from its workdir by default. Each checkpoint carries a fingerprint of the model
-(param paths, shapes, dtypes and the model description); opening a workdir whose checkpoint has
-another fingerprint raises `CheckpointMismatchError` before anything is written, so a run never
-overwrites another model's checkpoints.
+A run resumes from its workdir by default. Each checkpoint carries the model's signature (its
+description, parameter count, and every param's path, shape and dtype) and its fingerprint (a hash
+of them); opening a workdir whose checkpoint has another fingerprint raises
+`CheckpointMismatchError`, naming both models and their differing shapes, before anything is
+written, so a run never overwrites another model's checkpoints.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -19,7 +21,15 @@ import orbax.checkpoint as ocp
 
 
 class CheckpointMismatchError(ValueError):
-  pass
+  """A workdir's checkpoint belongs to another model; carries both models' signatures."""
+
+  def __init__(self, workdir: Path, step: int, saved: "ModelSignature", current: "ModelSignature"):
+    self.workdir, self.step, self.saved, self.current = workdir, step, saved, current
+    super().__init__(
+        f"workdir {workdir} holds a checkpoint (step {step}) of another model. The checkpoint's: "
+        f"{saved.summary()}. This run's: {current.summary()}. {_shape_differences(saved, current)}"
+        f"Nothing was written. Use another workdir, or delete {workdir / 'checkpoints'} to start "
+        f"over.")
 
 
 def describe_params(params) -> list[str]:
@@ -30,15 +40,61 @@ def describe_params(params) -> list[str]:
 
 
 def fingerprint(params, model_desc: str = "") -> str:
-  text = model_desc + "\n" + "\n".join(describe_params(params))
-  return hashlib.sha256(text.encode()).hexdigest()[:16]
+  return ModelSignature.of(params, model_desc).fingerprint
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSignature:
+  """What a checkpoint records about its model: the description (the model's repr: its config),
+  the parameter count and one 'path shape dtype' line per leaf."""
+  description: str
+  num_params: int
+  shapes: tuple[str, ...]
+
+  @classmethod
+  def of(cls, params, description: str = "") -> "ModelSignature":
+    count = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+    return cls(description, count, tuple(describe_params(params)))
+
+  @property
+  def fingerprint(self) -> str:
+    text = self.description + "\n" + "\n".join(self.shapes)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+  def summary(self) -> str:
+    if not self.shapes:
+      return self.description or "(shapes not recorded)"
+    return f"{self.description or 'model'} with {self.num_params:,} params"
+
+  def to_meta(self) -> dict:
+    return {"model": self.description, "num_params": self.num_params, "shapes": list(self.shapes),
+            "fingerprint": self.fingerprint}
+
+  @classmethod
+  def from_meta(cls, meta: dict) -> "ModelSignature":
+    return cls(meta.get("model", ""), int(meta.get("num_params", 0)),
+               tuple(meta.get("shapes", ())))
+
+
+def _shape_differences(saved: ModelSignature, current: ModelSignature, limit: int = 3) -> str:
+  """The first leaves whose shape or dtype differ, 'path: checkpoint vs this run'."""
+  if not saved.shapes:
+    return ""
+  old = dict(line.partition(" ")[0::2] for line in saved.shapes)      # path -> 'shape dtype'
+  new = dict(line.partition(" ")[0::2] for line in current.shapes)
+  diffs = [f"{path}: {old.get(path, 'absent')} vs {new.get(path, 'absent')}"
+           for path in sorted(set(old) | set(new)) if old.get(path) != new.get(path)]
+  if not diffs:
+    return "Parameter shapes agree; the model descriptions differ. "
+  more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""
+  return f"Differences (checkpoint vs this run): {'; '.join(diffs[:limit])}{more}. "
 
 
 @dataclasses.dataclass
 class Checkpointer:
-  """CheckpointManager over WORKDIR/checkpoints bound to one model fingerprint."""
+  """CheckpointManager over WORKDIR/checkpoints bound to one model (its signature)."""
   workdir: Path
-  fingerprint: str
+  signature: ModelSignature
   every: int = 1000
   keep: int = 3
   async_save: bool = True
@@ -56,19 +112,16 @@ class Checkpointer:
     if step is None:
       return
     meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    if meta.get("fingerprint") != self.fingerprint:
-      raise CheckpointMismatchError(
-          f"workdir {self.workdir} holds a checkpoint (step {step}) of another model "
-          f"(fingerprint {meta.get('fingerprint')}, {meta.get('model', '?')}; this run is "
-          f"{self.fingerprint}). Nothing was written. Use a new --workdir, or delete "
-          f"{self.workdir / 'checkpoints'} to start over.")
+    if meta.get("fingerprint") != self.signature.fingerprint:
+      raise CheckpointMismatchError(self.workdir, step, ModelSignature.from_meta(meta),
+                                    self.signature)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state, meta: dict | None = None, force: bool = False) -> bool:
     """Save `state` (a pytree) at `step` when the interval says so (or force)."""
-    meta = dict(meta or {}, fingerprint=self.fingerprint, step=int(step))
+    meta = dict(meta or {}, **self.signature.to_meta(), step=int(step))
     return self.manager.save(
         int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                            meta=ocp.args.JsonSave(meta)), force=force)

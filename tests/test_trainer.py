@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specjax import checkpoint, sharding, testing
-from specjax.distill import data, trainer
+from specjax.distill import data, evals, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,25 +36,61 @@ def models(vocab=32):
 
 
 def test_distillation_lowers_on_policy_tvd(tmp_path):
-  """GKD on a toy pair: on-policy TVD (student samples, fixed seeds) goes down."""
+  """GKD on a toy pair: on-policy TVD (student samples, fixed seeds) goes down; every logged
+  record carries throughput and the step-time split."""
   teacher, tp, student, sp = models()
   source = data.MarkovSource(vocab_size=32, batch_size=8, prompt_len=4, target_len=8)
   cfg = trainer.TrainConfig(steps=24, batch_size=8, learning_rate=3e-2, warmup_steps=0,
                             decay_start=12, loss="fkl", lambda1=0.0, lambda2=1.0, log_every=8,
                             checkpoint_every=100, eval_every=24, progress=False)
-  tr = trainer.Trainer(cfg, student, teacher, source, tmp_path, eos_id=1, model_desc=repr(student))
-  hook = trainer.on_policy_eval(tr, source.batch(10**6), tp, jax.random.PRNGKey(3))
+  ticks = []
+  tr = trainer.Trainer(cfg, student, teacher, source, tmp_path, eos_id=1, model_desc=repr(student),
+                       tick=ticks.append)
+  hook = evals.on_policy_eval(tr, source.batch(0, split="validation"), tp, jax.random.PRNGKey(3))
   tr.eval_fn = hook
   before = hook(0, tr.init_state(sp))["eval_tvd"]
   state = tr.run(sp, tp)
   after = hook(24, state)["eval_tvd"]
   print(f"on-policy TVD {before:.4f} -> {after:.4f}")
   assert after < 0.8 * before, (before, after)
+  assert tr.steps_run == 24 and [t["step"] for t in ticks] == list(range(1, 25))
   records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in records] == [8, 16, 24]
-  assert all({"loss", "tvd", "accept", "lr", "tokens_per_s"} <= set(r) for r in records)
+  assert [r["step"] for r in records] == [1, 8, 16, 24]                # the first step always
+  throughput_keys = {"tokens_per_s", "tokens_per_s_per_device", "step_s", "data_s", "generate_s",
+                     "update_s"}
+  assert all({"loss", "tvd", "accept", "lr"} | throughput_keys <= set(r) for r in records)
+  for r in records:
+    assert r["step_s"] == pytest.approx(r["data_s"] + r["generate_s"] + r["update_s"])
+    assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / jax.device_count())
+    assert "mfu" not in r                                                # CPU: no peak known
   assert records[-1]["eval_tvd"] == pytest.approx(after, rel=1e-4)
+  assert records[-1]["eval_accept"] == pytest.approx(1 - after, rel=1e-4)
   assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_speculative_eval_measures_the_loop():
+  """alpha / tau come from the speculative loop itself: a draft identical to the target has
+  every draft accepted (alpha 1, tau 3 = 9 tokens in 3 blocks unless a row ends early at EOS); a
+  different draft has alpha < 1. The same
+  prompts and key at every evaluation make the numbers comparable across steps."""
+  teacher, tp, student, sp = models()
+  source = data.MarkovSource(vocab_size=32, batch_size=8, prompt_len=4, target_len=8)
+  cfg = trainer.TrainConfig(steps=1, batch_size=8, progress=False)
+  settings = evals.SpecEval(gamma=3, max_new_tokens=9)
+  prompts = evals.heldout_prompts(source, 4)
+  assert prompts.tokens.shape == (4, 4)
+  twin = trainer.Trainer(cfg, teacher, teacher, source, "/nonexistent", eos_id=1)
+  same = evals.speculative_eval(twin, prompts, tp, jax.random.PRNGKey(0), settings)
+  result = same(0, trainer.TrainState(step=0, params=tp, opt_state=None, rng=None))
+  assert result["eval_alpha"] == 1.0            # blocks of 1 + 4 + 4 tokens; rows may hit EOS
+  assert 2.5 < result["eval_tau"] <= 3.0
+  tr = trainer.Trainer(cfg, student, teacher, source, "/nonexistent", eos_id=1)
+  hook = evals.speculative_eval(tr, prompts, tp, jax.random.PRNGKey(0), settings)
+  state = trainer.TrainState(step=0, params=sp, opt_state=None, rng=None)
+  first, again = hook(0, state), hook(0, state)
+  assert first == again and 0.0 < first["eval_alpha"] < 1.0 and 1.0 <= first["eval_tau"] < 3.0
+  with pytest.raises(ValueError, match="9 eval prompts asked for but a batch holds 8"):
+    evals.heldout_prompts(source, 9)
 
 
 def test_bad_inputs_give_clear_errors(tmp_path, monkeypatch):
@@ -72,18 +108,50 @@ def test_bad_inputs_give_clear_errors(tmp_path, monkeypatch):
   monkeypatch.undo()
   with pytest.raises(ValueError, match="needs a teacher"):
     trainer.Trainer(cfg, student, None, source, tmp_path, eos_id=1)
-  # A workdir holding another model's checkpoint: clear error, nothing overwritten.
-  ckpt = checkpoint.Checkpointer(tmp_path, checkpoint.fingerprint(tp, repr(teacher)), every=1)
+  with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
+    trainer.TrainConfig(steps=-1)
+  # A workdir holding another model's checkpoint: both models and their shapes named, nothing
+  # overwritten.
+  ckpt = checkpoint.Checkpointer(tmp_path, checkpoint.ModelSignature.of(tp, repr(teacher)), every=1)
   ckpt.save(1, {"params": tp})
   ckpt.close()
   (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
   before = sorted(str(p) for p in tmp_path.rglob("*"))
   metrics = (tmp_path / "metrics.jsonl").read_text()
-  with pytest.raises(checkpoint.CheckpointMismatchError, match="another model"):
+  with pytest.raises(checkpoint.CheckpointMismatchError, match="another model") as err:
     trainer.Trainer(cfg, student, teacher, source, tmp_path, eos_id=1,
                     model_desc=repr(student)).run(sp, tp)
+  message = str(err.value)
+  assert "d_model=32" in message and "d_model=16" in message        # both models described
+  assert "['layers']['attention']['key']['kernel']: (2, 32, 32) float32 vs (1, 16, 16)" in message
+  assert "(and 17 more)" in message
+  assert err.value.saved.num_params == sum(x.size for x in jax.tree_util.tree_leaves(tp))
   assert sorted(str(p) for p in tmp_path.rglob("*")) == before
   assert (tmp_path / "metrics.jsonl").read_text() == metrics
+
+
+def test_steps_at_or_below_the_checkpoint_do_nothing(tmp_path, caplog):
+  """A checkpoint at step 5 and steps 3 or 5: nothing trained, nothing written."""
+  teacher, tp, student, sp = models()
+  source = data.MarkovSource(vocab_size=32, batch_size=8, prompt_len=4, target_len=8)
+  cfg = trainer.TrainConfig(steps=5, batch_size=8, lambda1=1.0, progress=False,
+                            async_checkpoint=False)
+  tr = trainer.Trainer(cfg, student, teacher, source, tmp_path, eos_id=1, model_desc=repr(student))
+  ckpt = checkpoint.Checkpointer(tmp_path, checkpoint.ModelSignature.of(sp, repr(student)))
+  state = tr.init_state(sp)
+  ckpt.save(5, trainer._as_dict(state.replace(step=state.step + 5)), force=True)
+  ckpt.close()
+  before = sorted(str(p) for p in tmp_path.rglob("*"))
+  for steps in (3, 5):
+    tr = trainer.Trainer(dataclasses_replace(cfg, steps=steps), student, teacher, source, tmp_path,
+                         eos_id=1, model_desc=repr(student))
+    with caplog.at_level("INFO", logger="specjax.distill.trainer"):
+      state = tr.run(sp, tp)
+    assert tr.steps_run == 0 and int(state.step) == 5
+    expected = f"nothing to do: the checkpoint in {tmp_path} is at step 5 and steps is {steps}"
+    assert expected in caplog.text
+  assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+  assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def dataclasses_replace(cfg, **kw):
@@ -92,8 +160,9 @@ def dataclasses_replace(cfg, **kw):
 
 
 CHILD = textwrap.dedent("""
-    import os, signal, sys
+    import logging, os, signal, sys
     import jax
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO)
     from specjax import testing
     from specjax.distill import data, trainer
     workdir, kill_at = sys.argv[1], int(sys.argv[2])
@@ -179,4 +248,4 @@ def test_cli_pretrain_then_distill(tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert dis.returncode == 0, dis.stderr[-2000:]
   last = json.loads((tmp_path / "d" / "metrics.jsonl").read_text().splitlines()[-1])
-  assert last["step"] == 4 and "eval_tvd" in last and "loss" in last
+  assert last["step"] == 4 and {"eval_tvd", "eval_alpha", "eval_tau", "loss"} <= set(last)

@@ -1,55 +1,192 @@
 """Train a student (pretraining or DistillSpec) whose models are already built: the config's
-training sections -> TrainConfig, data source, Trainer, progress display, exported params."""
+training sections -> TrainConfig, data source, Trainer, eval hooks, progress display, exported
+params."""
 
 from __future__ import annotations
 
+import logging
+import sys
+import time
 from pathlib import Path
 
 import jax
 
 from specjax import checkpoint as ckpt_lib
 from specjax.app import builders
+from specjax.app.config import ConfigError
+from specjax.distill import evals, sources
 from specjax.distill import trainer as trainer_lib
 
+log = logging.getLogger(__name__)
 
-def fit(config, workdir: str, student, teacher=None, *, pretrain: bool = False):
+
+def fit(config, workdir: str, student, teacher=None, *, pretrain: bool = False, display=None):
   """student / teacher: (model, params) pairs (teacher None when pretraining). Trains from
-  WORKDIR's latest checkpoint to `train.steps`, then exports WORKDIR/params. Returns TrainState."""
+  WORKDIR's latest checkpoint to `train.steps`, then exports WORKDIR/params (unless nothing was
+  left to train). `display`: a ProgressDisplay already showing (else one is made here when
+  `train.progress`). Returns the TrainState."""
   cfg = builders.train_config(config, pretrain)
-  spec = builders.data_spec(config)
-  source = builders.train_source(spec, cfg.batch_size)
-  Path(workdir).mkdir(parents=True, exist_ok=True)
-  (model, params), (t_model, t_params) = student, teacher or (None, None)
-  display = ProgressDisplay(cfg.steps) if cfg.progress and jax.process_index() == 0 else None
-  trainer = trainer_lib.Trainer(cfg, model, t_model, source, Path(workdir), eos_id=spec.eos_id,
-                                pad_id=spec.pad_id, model_desc=repr(model),
-                                show=display.show if display else None)
-  if cfg.eval_every and t_model is not None:
-    trainer.eval_fn = trainer_lib.on_policy_eval(trainer, source.batch(10**9), t_params,
-                                                 jax.random.PRNGKey(cfg.seed + 7))
+  own = display is None and cfg.progress and jax.process_index() == 0
+  display = ProgressDisplay(cfg.steps) if own else display
   try:
-    state = trainer.run(params, t_params)
+    return _fit(config, cfg, Path(workdir), student, teacher, display)
   finally:
-    if display:
+    if own:
       display.close()
-  ckpt_lib.save_params(workdir, state.params)
+
+
+def _fit(config, cfg, workdir: Path, student, teacher, display):
+  spec = builders.data_spec(config)
+  source = open_source(spec, cfg.batch_size)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (model, params), (t_model, t_params) = student, teacher or (None, None)
+  trainer = trainer_lib.Trainer(cfg, model, t_model, source, workdir, eos_id=spec.eos_id,
+                                pad_id=spec.pad_id, model_desc=repr(model),
+                                show=display.show if display else None,
+                                tick=display.tick if display else None)
+  if cfg.eval_every and t_model is not None:
+    trainer.eval_fn = eval_hooks(config, cfg, trainer, source, t_params)
+  state = trainer.run(params, t_params)
+  if trainer.steps_run or (int(state.step) > 0 and not (workdir / "params").exists()):
+    ckpt_lib.save_params(workdir, state.params)
   return state
 
 
-class ProgressDisplay:
-  """A progress bar (steps, ETA) with each logged metrics line printed above it."""
+def open_source(spec: builders.DataSpec, batch_size: int):
+  """The training data of the `data` section; its errors as advice on the flags that mend them."""
+  options = sources.DataOptions(
+      kind=spec.source, task=spec.task, tokenizer=spec.tokenizer, vocab_size=spec.vocab_size,
+      prompt_len=spec.prompt_len, target_len=spec.target_len, seed=spec.seed,
+      data_dir=spec.data_dir)
+  try:
+    return sources.open_source(options, batch_size)
+  except sources.UnknownSourceError as err:
+    raise ConfigError(f"--config.data.source={err.kind!r}: use one of "
+                      f"{', '.join(sources.KINDS)}") from err
+  except sources.VocabTooSmallError as err:
+    raise ConfigError(f"{err}: raise the models' vocab_size (and --config.data.vocab_size) to at "
+                      f"least {err.tokenizer_vocab}, or choose a smaller --config.data.tokenizer"
+                      ) from err
 
-  def __init__(self, total: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-    self.progress = Progress("[bold]train", BarColumn(), MofNCompleteColumn(),
-                             TimeRemainingColumn(), "{task.description}")
-    self.task = self.progress.add_task("", total=total)
-    self.progress.start()
+
+def eval_hooks(config, cfg, trainer, source, teacher_params):
+  """Every eval_every steps: the on-policy TVD on a held-out batch (predicted acceptance) and
+  alpha / tau of exact speculative decoding on `train.eval_prompts` held-out prompts, with gamma,
+  max_new_tokens and temperature from the `decode` section."""
+  decode = builders.decode_settings(config)
+  settings = evals.SpecEval(gamma=decode.gamma, max_new_tokens=decode.max_new_tokens,
+                            temperature=decode.temperature, prompts=cfg.eval_prompts)
+  key = jax.random.PRNGKey(cfg.seed + 7)
+  try:
+    prompts = evals.heldout_prompts(source, cfg.eval_prompts)
+  except ValueError as err:
+    raise ConfigError(f"--config.train.eval_prompts={cfg.eval_prompts}: {err}") from err
+  return evals.combine(
+      evals.on_policy_eval(trainer, source.batch(0, split="validation"), teacher_params, key),
+      evals.speculative_eval(trainer, prompts, teacher_params, jax.random.fold_in(key, 1),
+                             settings))
+
+
+class ProgressDisplay:
+  """Training progress on `stream` (default stderr), from the first second.
+
+  On a terminal: a bar (steps, loss, tokens/s, elapsed, ETA), with the library's log lines and
+  each metrics record printed above it. Anywhere else (a file, a pipe, CI): no bar and no control
+  characters, only the log lines and one plain line per metrics record. While it shows, the
+  specjax logger's records go through it only (they do not also propagate to the root logger's
+  handlers, which some libraries install: every line would appear twice)."""
+
+  def __init__(self, total: int, stream=None):
+    self.stream = stream or sys.stderr
+    self.total = total
+    self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+    self.step_s = self.rate = None            # moving averages of the step time and tokens/s
+    self.progress = self._start_bar() if self.live else None
+    self._logs = _LogRoute(self._print if self.live else None)
+
+  def _start_bar(self):
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.fields[stats]}"),
+                        console=Console(file=self.stream), redirect_stdout=False,
+                        redirect_stderr=False)
+    self.task = progress.add_task("", total=self.total, stats="preparing")
+    progress.start()
+    return progress
+
+  def _print(self, text: str) -> None:
+    if self.live:
+      self.progress.console.print(text, markup=False, highlight=False)
+    else:
+      print(text, file=self.stream, flush=True)
 
   def show(self, record: dict) -> None:
-    text = trainer_lib.format_record(record)
-    self.progress.update(self.task, completed=record["step"], description=text)
-    self.progress.console.print(text)
+    """A logged metrics record: one line."""
+    self._print(trainer_lib.format_record(record))
+
+  def tick(self, info: dict) -> None:
+    """Every step: step, total, loss, step_s, tokens -> the bar's fields."""
+    self.step_s = _average(self.step_s, info["step_s"])
+    self.rate = _average(self.rate, info["tokens"] / max(info["step_s"], 1e-9))
+    if not self.live:
+      return
+    eta = (info["total"] - info["step"]) * self.step_s
+    stats = (f"loss {info['loss']:.4g} | {_si(self.rate)} tok/s | "
+             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+    self.progress.update(self.task, completed=info["step"], stats=stats)
 
   def close(self) -> None:
-    self.progress.stop()
+    if self.live:
+      self.progress.stop()
+    self._logs.restore()
+
+
+def _average(old: float | None, new: float, weight: float = 0.3) -> float:
+  return new if old is None else (1 - weight) * old + weight * new
+
+
+def _si(value: float) -> str:
+  for unit, scale in (("M", 1e6), ("k", 1e3)):
+    if value >= scale:
+      return f"{value / scale:.3g}{unit}"
+  return f"{value:.3g}"
+
+
+class _LogRoute:
+  """While a display shows: the specjax logger stops propagating to the root logger's handlers
+  and, with a bar on screen, its own handlers are replaced by one printing above the bar.
+  Loggers without handlers (no CLI set-up) are left as they are."""
+
+  def __init__(self, emit):
+    self.logger = logging.getLogger("specjax")
+    self.handlers, self.propagate = list(self.logger.handlers), self.logger.propagate
+    if not self.handlers:
+      return
+    self.logger.propagate = False
+    if emit is not None:
+      replacement = _EmitHandler(emit)
+      replacement.setFormatter(self.handlers[0].formatter)
+      for handler in self.handlers:
+        self.logger.removeHandler(handler)
+      self.logger.addHandler(replacement)
+
+  def restore(self) -> None:
+    for handler in list(self.logger.handlers):
+      self.logger.removeHandler(handler)
+    for handler in self.handlers:
+      self.logger.addHandler(handler)
+    self.logger.propagate = self.propagate
+
+
+class _EmitHandler(logging.Handler):
+  def __init__(self, emit):
+    super().__init__()
+    self.emit_text = emit
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      self.emit_text(self.format(record))
+    except Exception:                      # a display error must not stop training
+      self.handleError(record)

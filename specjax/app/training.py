@@ -1,11 +1,20 @@
 """`train.pretrain` / `train.distill` from a config: models from their sections (checkpoints
-resolved, or built from fields), multi-host set-up, then `fit`."""
+resolved, or built from fields), multi-host set-up, then `fit`. The progress display starts
+first, so that model building, data preparation and compilation show with their times."""
 
 from __future__ import annotations
 
+import logging
+import time
+
+import jax
+
 from specjax import sharding
 from specjax.app import builders, resolve
-from specjax.app.fit import fit
+from specjax.app.fit import ProgressDisplay, fit
+from specjax.distill import trainer as trainer_lib
+
+log = logging.getLogger(__name__)
 
 
 def run(config, workdir: str, pretrain: bool = False):
@@ -16,8 +25,25 @@ def run(config, workdir: str, pretrain: bool = False):
                                     dist.get("num_processes") or None,
                                     pid if pid is not None and pid >= 0 else None)
   cfg = builders.train_config(config, pretrain)
-  role = builders.section(config, "pretrain").get("model", "target") if pretrain else "draft"
-  student = resolve.build_model(builders.model_spec(config, role), cfg.seed)
-  teacher = (None if pretrain
-             else resolve.build_model(builders.model_spec(config, "target"), cfg.seed + 1))
-  return fit(config, workdir, student, teacher, pretrain=pretrain)
+  display = ProgressDisplay(cfg.steps) if cfg.progress and jax.process_index() == 0 else None
+  try:
+    role = builders.section(config, "pretrain").get("model", "target") if pretrain else "draft"
+    student = build(config, role, cfg.seed)
+    teacher = None if pretrain else build(config, "target", cfg.seed + 1)
+    return fit(config, workdir, student, teacher, pretrain=pretrain, display=display)
+  finally:
+    if display is not None:
+      display.close()
+
+
+def build(config, role: str, seed: int):
+  """(model, params) of a model section, its building logged with its time."""
+  spec = builders.model_spec(config, role)
+  what = spec.checkpoint or " ".join(filter(None, (spec.arch, spec.preset))) or "model"
+  log.info("building the %s (%s) ...", role, what)
+  started = time.perf_counter()
+  model, params = resolve.build_model(spec, seed)
+  jax.block_until_ready(params)                # init is dispatched asynchronously: time all of it
+  count = trainer_lib.count_text(sharding.num_params(params))
+  log.info("%s ready: %s params in %.1fs", role, count, time.perf_counter() - started)
+  return model, params

@@ -33,7 +33,8 @@ def get_config():
   c.train = ml_collections.ConfigDict(dict(
       steps=200, batch_size=16, learning_rate=1e-2, warmup_steps=10, decay_start=100,
       final_lr_ratio=0.1, optimizer="adafactor", seed=0, log_every=20, checkpoint_every=50,
-      eval_every=50, async_checkpoint=True, progress=True))
+      eval_every=50, eval_prompts=8, async_checkpoint=True, progress=True))
+  c.decode = common.decode(gamma=4, max_new_tokens=16)
   c.pretrain = ml_collections.ConfigDict(dict(model="target", steps=300, learning_rate=1e-2))
   c.mesh = common.mesh(-1, 1)
   c.distributed = common.distributed()

@@ -4,10 +4,17 @@ The same step serves distillation (a teacher and a divergence loss) and pretrain
 (no teacher, the NLL loss). Data per step follows Alg. A.2 (`distill.data`). Params and optimizer
 state are placed by `specjax.sharding`'s rules table; batches are split over 'data' and, on a pod,
 each host feeds only its rows. Checkpoints (Orbax) make a killed run resume exactly.
+
+Progress goes to the log from the first second: the state's initialisation, each compilation of
+the update step (ahead of time, once per batch shape) and each first generation (which compiles the
+sampler), with their times. Every step is timed by phase (data, on-policy generation, update;
+each phase waits for its device work, so the split is real time), and each logged record carries
+the window's tokens/s, per-phase seconds and MFU (`throughput`). The first step is always logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -26,6 +33,7 @@ from specjax import checkpoint as ckpt_lib
 from specjax import sharding
 from specjax.distill import data as data_lib
 from specjax.distill import losses as losses_lib
+from specjax.distill import throughput
 from specjax.models import score
 
 log = logging.getLogger(__name__)
@@ -61,9 +69,20 @@ class TrainConfig:
   keep_checkpoints: int = 3
   async_checkpoint: bool = True
   eval_every: int = 0               # 0: no eval hook
+  eval_prompts: int = 8             # held-out prompts of the speculative-decoding eval
   mesh_data: int = -1
   mesh_model: int = 1
   progress: bool = True
+
+  def __post_init__(self):
+    if self.steps < 0:
+      raise ValueError(f"steps must be >= 0, got {self.steps}")
+    for name in ("batch_size", "log_every", "eval_prompts"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    for name in ("warmup_steps", "eval_every"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def paper_schedule(peak: float, total: int, warmup: int, decay_start: int,
@@ -141,8 +160,22 @@ class MetricsLog:
     self.show(record)
 
 
+FIRST_FIELDS = ("step", "loss", "source")
+
+
 def format_record(record: dict) -> str:
-  return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
+  """One console line: step, loss and source first, then the rest in the record's order."""
+  keys = [k for k in FIRST_FIELDS if k in record] + [k for k in record if k not in FIRST_FIELDS]
+  return " ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
+                  for k in keys)
+
+
+def count_text(n: float) -> str:
+  """12345678 -> '12.3M' (parameter counts in log lines)."""
+  for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    if n >= scale:
+      return f"{n / scale:.3g}{unit}"
+  return f"{n:.0f}"
 
 
 def _scalar(v):
@@ -152,9 +185,34 @@ def _scalar(v):
   return v.item() if v.dtype.kind in "iub" else float(v)
 
 
+class PhaseClock:
+  """Seconds per phase of one step; `with clock("update"): ...` adds the block's wall time."""
+
+  def __init__(self):
+    self.seconds: dict[str, float] = {}
+
+  @contextlib.contextmanager
+  def __call__(self, phase: str):
+    started = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+
+def batch_shape(batch) -> tuple[int, int, int]:
+  """(rows, prompt width, target width) of a batch."""
+  rows, width = batch.targets.shape
+  return rows, batch.prompt.tokens.shape[1], width
+
+
+def _shape_key(tree) -> tuple:
+  return tuple((x.shape, str(x.dtype)) for x in jax.tree_util.tree_leaves(tree))
+
+
 @dataclasses.dataclass
 class Trainer:
-  """Owns the mesh, the jitted step and the loop. `teacher=None` means pretraining (NLL)."""
+  """Owns the mesh, the compiled step and the loop. `teacher=None` means pretraining (NLL)."""
   cfg: TrainConfig
   student: Any
   teacher: Any
@@ -166,6 +224,7 @@ class Trainer:
   eval_fn: Callable[[int, TrainState], dict] | None = None
   mesh: Any = None
   show: Callable[[dict], None] | None = None   # each logged record (default: the log)
+  tick: Callable[[dict], None] | None = None   # every step: step, total, loss, step_s
 
   def __post_init__(self):
     cfg = self.cfg
@@ -180,6 +239,9 @@ class Trainer:
     self.mixture = data_lib.Mixture(cfg.lambda1, cfg.lambda2, cfg.temperature, cfg.seed)
     self.sampler = (data_lib.Sampler(self.student, self.teacher, self.eos_id, cfg.temperature,
                                      self.pad_id) if self.mixture.needs_generation else None)
+    self.steps_run = 0                 # steps trained by the last `run`
+    self._updates: dict[tuple, Any] = {}
+    self._sampled: set[tuple] = set()
 
   # -- placement -------------------------------------------------------------------------------
   def state_shardings(self, state: TrainState):
@@ -188,15 +250,19 @@ class Trainer:
     rep = sharding.replicated(self.mesh)
     return TrainState(step=rep, params=p_sh, opt_state=o_sh, rng=rep)
 
+  def _build_state(self, params) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=self.optimizer.init(params), rng=jax.random.PRNGKey(self.cfg.seed))
+
   def init_state(self, params) -> TrainState:
     """Fresh state from the student's initial params, placed on the mesh."""
-    def build(p):
-      return TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                        opt_state=self.optimizer.init(p), rng=jax.random.PRNGKey(self.cfg.seed))
-    abstract = jax.eval_shape(build, params)
-    out_sh = self.state_shardings(abstract)
+    started = time.perf_counter()
+    out_sh = self.state_shardings(jax.eval_shape(self._build_state, params))
     params = jax.device_put(params, sharding.param_shardings(params, self.mesh))
-    return jax.jit(build, out_shardings=out_sh)(params)
+    state = jax.block_until_ready(jax.jit(self._build_state, out_shardings=out_sh)(params))
+    log.info("initialised the training state (%s optimizer) in %.1fs", self.cfg.optimizer,
+             time.perf_counter() - started)
+    return state
 
   def place_batch(self, batch):
     """The global batch from the source -> this host's rows -> a global array over 'data'."""
@@ -209,7 +275,12 @@ class Trainer:
       return sharding.shard_batch(local, self.mesh, local=True)
     return sharding.shard_batch(batch, self.mesh)
 
+  def place_params(self, params):
+    return None if params is None else jax.device_put(
+        params, sharding.param_shardings(params, self.mesh))
+
   def compiled_step(self, state: TrainState, batch, teacher_params):
+    """`train_step` jitted with the mesh's shardings (the state is donated)."""
     fn = functools.partial(train_step, student=self.student, teacher=self.teacher, loss=self.loss,
                            optimizer=self.optimizer, schedule=self.schedule)
     state_sh = self.state_shardings(state)
@@ -219,12 +290,57 @@ class Trainer:
     return jax.jit(fn, in_shardings=(state_sh, batch_sh, teacher_sh),
                    out_shardings=(state_sh, sharding.replicated(self.mesh)), donate_argnums=0)
 
+  def update_for(self, state: TrainState, batch, teacher_params):
+    """The update step compiled for this batch's shapes: compiled ahead of time (and logged) the
+    first time a shape is seen, so step timings never include compilation."""
+    key = _shape_key(batch)
+    if key not in self._updates:
+      started = time.perf_counter()
+      rows, prompt, target = batch_shape(batch)
+      log.info("compiling the update step for %d rows x (%d prompt + %d target) tokens ...", rows,
+               prompt, target)
+      jitted = self.compiled_step(state, batch, teacher_params)
+      self._updates[key] = jitted.lower(state, batch, teacher_params).compile()
+      log.info("compiled the update step in %.1fs", time.perf_counter() - started)
+    return self._updates[key]
+
+  # -- one step --------------------------------------------------------------------------------
+  def sampled_batch(self, step: int, batch, state: TrainState, teacher_params):
+    """Alg. A.2's batch for `step` (dataset, student or teacher outputs), waited for; the first
+    generation of each model and shape (which compiles the sampler) is logged with its time."""
+    source = self.mixture.source(step)
+    first = source != data_lib.FIXED and (source, _shape_key(batch)) not in self._sampled
+    started = time.perf_counter()
+    if first:
+      rows, _, target = batch_shape(batch)
+      log.info("first %s-sampled batch: generating %d x %d tokens (compiles the sampler) ...",
+               source, rows, target)
+      self._sampled.add((source, _shape_key(batch)))
+    key = jax.random.fold_in(state.rng, step)
+    batch, source = data_lib.mixed_batch(self.mixture, self.sampler, step, batch, state.params,
+                                         teacher_params, key)
+    jax.block_until_ready(batch)
+    if first:
+      log.info("first %s-sampled batch ready in %.1fs", source, time.perf_counter() - started)
+    return batch, source
+
+  def one_step(self, step: int, state: TrainState, teacher_params):
+    """Data -> generation -> update for `step`, each phase timed to its end on the device.
+    Returns (state, metrics, the batch's source, seconds per phase, (rows, prompt, target))."""
+    clock = PhaseClock()
+    with clock("data"):
+      batch = jax.block_until_ready(self.place_batch(self.source.batch(step)))
+    with clock("generate"):
+      batch, source = self.sampled_batch(step, batch, state, teacher_params)
+    update = self.update_for(state, batch, teacher_params)
+    with clock("update"):
+      state, metrics = update(state, batch, teacher_params)
+      jax.block_until_ready(metrics)
+    return state, metrics, source, clock.seconds, batch_shape(batch)
+
   # -- the loop --------------------------------------------------------------------------------
   def abstract_state(self, params) -> TrainState:
-    def build(p):
-      return TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                        opt_state=self.optimizer.init(p), rng=jax.random.PRNGKey(self.cfg.seed))
-    abstract = jax.eval_shape(build, params)
+    abstract = jax.eval_shape(self._build_state, params)
     return jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         abstract, self.state_shardings(abstract))
@@ -241,87 +357,78 @@ class Trainer:
 
   def run(self, student_params, teacher_params=None,
           on_step: Callable[[int, TrainState], None] | None = None) -> TrainState:
-    """Train from the workdir's latest checkpoint (or from `student_params`) to cfg.steps."""
+    """Train from the workdir's latest checkpoint (or from `student_params`) to cfg.steps. A
+    checkpoint already at or past cfg.steps leaves everything as it is (`steps_run` == 0)."""
     cfg = self.cfg
-    fp = ckpt_lib.fingerprint(student_params, self.model_desc)
-    ckpt = ckpt_lib.Checkpointer(self.workdir, fp, every=cfg.checkpoint_every,
+    self.steps_run = 0
+    signature = ckpt_lib.ModelSignature.of(student_params, self.model_desc)
+    ckpt = ckpt_lib.Checkpointer(self.workdir, signature, every=cfg.checkpoint_every,
                                  keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoint)
-    state = self.resume_or_init(ckpt, student_params)
-    if teacher_params is not None:
-      teacher_params = jax.device_put(teacher_params,
-                                      sharding.param_shardings(teacher_params, self.mesh))
-    metrics_log = MetricsLog(self.workdir, self.show)
-    step_fn, window = None, _Window()
-    meta = {"model": self.model_desc, "config": dataclasses.asdict(cfg)}
     try:
-      for step in range(int(state.step), cfg.steps):
-        batch = self.place_batch(self.source.batch(step))
-        key = jax.random.fold_in(state.rng, step)
-        batch, source = data_lib.mixed_batch(self.mixture, self.sampler, step, batch,
-                                             state.params, teacher_params, key)
-        step_fn = step_fn or self.compiled_step(state, batch, teacher_params)
-        state, metrics = step_fn(state, batch, teacher_params)
-        done = step + 1
-        window.add(metrics["tokens"])
-        extra = {}
-        if self.eval_fn and cfg.eval_every and done % cfg.eval_every == 0:
-          started = time.perf_counter()
-          extra = self.eval_fn(done, state)
-          window.start += time.perf_counter() - started      # tokens/s counts training only
-        if done % cfg.log_every == 0 or done == cfg.steps or extra:
-          metrics_log.write(done, {**metrics, **extra, "source": source,
-                           "tokens_per_s": window.rate(metrics["loss"])})
-        ckpt.save(done, _as_dict(state), dict(meta, data_step=done))
-        if on_step is not None:
-          on_step(done, state)
+      state = self.resume_or_init(ckpt, student_params)
+      if int(state.step) >= cfg.steps:
+        self._nothing_to_do(ckpt, int(state.step))
+        return state
+      flops = throughput.FlopModel(
+          throughput.ParamCount.of(student_params),
+          None if teacher_params is None else throughput.ParamCount.of(teacher_params))
+      self._announce(state, flops)
+      state = self._loop(state, ckpt, self.place_params(teacher_params), flops, on_step)
       if ckpt.latest_step() != cfg.steps:
-        ckpt.save(cfg.steps, _as_dict(state), dict(meta, data_step=cfg.steps), force=True)
+        ckpt.save(cfg.steps, _as_dict(state), self._meta(cfg.steps), force=True)
     finally:
       ckpt.close()
     return state
 
+  def _nothing_to_do(self, ckpt: ckpt_lib.Checkpointer, step: int) -> None:
+    if ckpt.latest_step() is None:
+      log.info("nothing to do: steps is %d", self.cfg.steps)
+    else:
+      log.info("nothing to do: the checkpoint in %s is at step %d and steps is %d (raise steps "
+               "to train further)", self.workdir, step, self.cfg.steps)
 
-class _Window:
-  """Tokens/s between two logged steps, without a host sync on unlogged steps."""
+  def _meta(self, step: int) -> dict:
+    return {"model": self.model_desc, "config": dataclasses.asdict(self.cfg), "data_step": step}
 
-  def __init__(self):
-    self.counts, self.start = [], time.perf_counter()
+  def _announce(self, state: TrainState, flops: throughput.FlopModel) -> None:
+    cfg = self.cfg
+    teacher = f", teacher {count_text(flops.teacher.total)} params" if flops.teacher else ""
+    log.info("training steps %d..%d: student %s params%s, batch %d, loss %s, mixture "
+             "lambda1=%g lambda2=%g, on %d x %s", int(state.step) + 1, cfg.steps,
+             count_text(flops.student.total), teacher, cfg.batch_size, cfg.loss, cfg.lambda1,
+             cfg.lambda2, self.mesh.devices.size, jax.devices()[0].device_kind)
 
-  def add(self, tokens) -> None:
-    self.counts.append(tokens)
+  def _loop(self, state: TrainState, ckpt, teacher_params, flops, on_step) -> TrainState:
+    cfg, first = self.cfg, int(state.step)
+    metrics_log = MetricsLog(self.workdir, self.show)
+    window = throughput.Window(self.mesh.devices.size,
+                               throughput.peak_flops(jax.devices()[0].device_kind))
+    for step in range(first, cfg.steps):
+      state, metrics, source, seconds, shape = self.one_step(step, state, teacher_params)
+      done = step + 1
+      sampled_by = None if source == data_lib.FIXED else source
+      window.add(int(metrics["tokens"]), flops.step_flops(*shape, sampled_by), seconds)
+      self.steps_run += 1
+      extra = self._evaluate(done, state)
+      if done == first + 1 or done % cfg.log_every == 0 or done == cfg.steps or extra:
+        metrics_log.write(done, {**metrics, **extra, "source": source, **window.summary()})
+      if self.tick is not None:
+        self.tick({"step": done, "total": cfg.steps, "loss": float(metrics["loss"]),
+                   "step_s": sum(seconds.values()), "tokens": int(metrics["tokens"])})
+      ckpt.save(done, _as_dict(state), self._meta(done))
+      if on_step is not None:
+        on_step(done, state)
+    return state
 
-  def rate(self, sync) -> float:
-    jax.block_until_ready(sync)
-    now = time.perf_counter()
-    total = float(sum(int(c) for c in self.counts))
-    rate = total / max(now - self.start, 1e-9)
-    self.counts, self.start = [], now
-    return rate
+  def _evaluate(self, done: int, state: TrainState) -> dict:
+    if not (self.eval_fn and self.cfg.eval_every and done % self.cfg.eval_every == 0):
+      return {}
+    started = time.perf_counter()
+    extra = self.eval_fn(done, state)
+    log.info("evaluated at step %d in %.1fs", done, time.perf_counter() - started)
+    return extra
 
 
 def _as_dict(state: TrainState) -> dict:
   return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
           "rng": state.rng}
-
-
-def on_policy_eval(trainer: Trainer, batch, teacher_params, key) -> Callable[[int, TrainState], dict]:
-  """An eval hook: TVD between teacher and student on student samples of a fixed batch
-  (the on-policy TVD of Theorem 4.1; 1 - TVD is the predicted acceptance rate)."""
-  sampler = data_lib.Sampler(trainer.student, trainer.teacher, trainer.eos_id,
-                             trainer.cfg.temperature, trainer.pad_id)
-  batch = trainer.place_batch(batch)
-  if teacher_params is not None:
-    teacher_params = jax.device_put(teacher_params,
-                                    sharding.param_shardings(teacher_params, trainer.mesh))
-
-  @functools.partial(jax.jit, static_argnums=(0, 1))
-  def tvd(student, teacher, s_params, t_params, b):
-    s_logits = score(student, s_params, b.prompt, b.targets)[0]
-    t_logits = score(teacher, t_params, b.prompt, b.targets)[0]
-    return jnp.mean(losses_lib.tvd(s_logits, t_logits, b.mask))
-
-  def hook(step: int, state: TrainState) -> dict:
-    sampled = sampler(data_lib.STUDENT, batch, state.params, teacher_params, key)
-    value = float(tvd(trainer.student, trainer.teacher, state.params, teacher_params, sampled))
-    return {"eval_tvd": value, "eval_accept": 1.0 - value}
-  return hook

@@ -97,6 +97,7 @@ def test_model_flops_and_mfu():
   summary = window.summary()
   assert summary["tokens_per_s"] == 100 and summary["tokens_per_s_per_device"] == 50
   assert (summary["step_s"], summary["update_s"], summary["data_s"]) == (2.0, 1.0, 0.5)
+  np.testing.assert_allclose(summary["tflops_per_device"], 8000 / 4 / 2 / 1e12)
   np.testing.assert_allclose(summary["mfu"], 8000 / 4 / (2 * 1e3))
   assert window.steps == 0 and "mfu" not in throughput.Window(devices=1).summary()
 

@@ -107,15 +107,18 @@ class Window:
       self.seconds[phase] += seconds.get(phase, 0.0)
 
   def summary(self) -> dict:
-    """tokens/s (global and per device), mean seconds per step and per phase, MFU; then reset."""
+    """tokens/s (global and per device), mean seconds per step and per phase, model TFLOP/s per
+    device, and MFU where the device's peak is known; then reset."""
     elapsed = max(sum(self.seconds.values()), 1e-9)
     steps = max(self.steps, 1)
+    per_device = self.flops / elapsed / self.devices                    # model FLOP/s
     out = {"tokens_per_s": self.tokens / elapsed,
            "tokens_per_s_per_device": self.tokens / elapsed / self.devices,
            "step_s": elapsed / steps,
-           **{f"{phase}_s": self.seconds[phase] / steps for phase in PHASES}}
+           **{f"{phase}_s": self.seconds[phase] / steps for phase in PHASES},
+           "tflops_per_device": per_device / 1e12}
     if self.peak:
-      out["mfu"] = self.flops / elapsed / (self.devices * self.peak)
+      out["mfu"] = per_device / self.peak
     self.steps, self.tokens, self.flops = 0, 0, 0.0
     self.seconds = dict.fromkeys(PHASES, 0.0)
     return out

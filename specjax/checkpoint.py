@@ -1,10 +1,10 @@
 """Orbax checkpoints of a training run: params, optimizer state, step, data position and rng.
 
 A run resumes from its workdir by default. Each checkpoint carries the model's signature (its
-description, parameter count, and every param's path, shape and dtype) and its fingerprint (a hash
-of them); opening a workdir whose checkpoint has another fingerprint raises
-`CheckpointMismatchError`, naming both models and their differing shapes, before anything is
-written, so a run never overwrites another model's checkpoints.
+description, parameter count, and every param's path, shape and dtype) and a fingerprint of it;
+opening a workdir whose checkpoint has other param shapes raises `CheckpointMismatchError`, naming
+both models and their differing shapes, before anything is written, so a run never overwrites
+another model's checkpoints.
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(ValueError):
@@ -85,7 +88,7 @@ def _shape_differences(saved: ModelSignature, current: ModelSignature, limit: in
   diffs = [f"{path}: {old.get(path, 'absent')} vs {new.get(path, 'absent')}"
            for path in sorted(set(old) | set(new)) if old.get(path) != new.get(path)]
   if not diffs:
-    return "Parameter shapes agree; the model descriptions differ. "
+    return ""
   more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""
   return f"Differences (checkpoint vs this run): {'; '.join(diffs[:limit])}{more}. "
 
@@ -108,13 +111,24 @@ class Checkpointer:
     self._check_existing()
 
   def _check_existing(self) -> None:
+    """Refuse a checkpoint of other param shapes. A description that differs over the same shapes
+    (a config field added by a newer specjax, say) is only logged: refusing it would strand
+    every run across an upgrade."""
     step = self.manager.latest_step()
     if step is None:
       return
     meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    if meta.get("fingerprint") != self.signature.fingerprint:
-      raise CheckpointMismatchError(self.workdir, step, ModelSignature.from_meta(meta),
-                                    self.signature)
+    saved = ModelSignature.from_meta(meta)
+    if saved.shapes:
+      same = saved.shapes == self.signature.shapes
+    else:                                  # written before shapes were recorded
+      same = meta.get("fingerprint") == self.signature.fingerprint
+    if not same:
+      raise CheckpointMismatchError(self.workdir, step, saved, self.signature)
+    if saved.description != self.signature.description and saved.shapes:
+      log.warning("the checkpoint in %s was written for %s; this run's model is %s (the same "
+                  "param shapes): resuming", self.workdir, saved.description,
+                  self.signature.description)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()

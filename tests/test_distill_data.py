@@ -94,6 +94,8 @@ def test_offline_stand_in_for_missing_tfds_data(tmp_path, caplog):
   assert batch.prompt.tokens.shape == (4, 16) and batch.targets.shape == (4, 8)
   assert int(batch.targets.max()) < 600
   np.testing.assert_array_equal(source.batch(3).targets, batch.targets)
+  seq2seq = sources.open_source(dataclasses.replace(options, task="xsum"), batch_size=4)
+  assert seq2seq.task.name == "stdlib_sum" and "xsum is not available here" in caplog.text
   with pytest.raises(sources.VocabTooSmallError, match="600 ids but the models have vocab_size 64"):
     sources.open_source(dataclasses.replace(options, vocab_size=64), batch_size=4)
   with pytest.raises(sources.UnknownSourceError, match="use one of markov, task"):

@@ -62,9 +62,13 @@ def test_terminal_bar_prints_log_lines_above_it(specjax_logger):
   display.close()
   text = term.getvalue()
   assert "specjax: compiled the update step in 1.0s" in text
-  assert "step=4 loss=2.5" in text and "loss 2.5 | 2k tok/s | ETA 00:00:03" in text
+  assert "step=4 loss=2.5" in text and "loss 2.5 | 2k tok/s | ETA 0:00:03" in text
   assert log_stream.getvalue() == ""                   # routed through the display only
   assert logger.handlers[0].stream is log_stream and logger.propagate is True
+
+
+def test_eta_clock():
+  assert fit._clock(3725.9) == "1:02:05" and fit._clock(100 * 3600) == "100:00:00"
 
 
 def test_peak_flops_table():

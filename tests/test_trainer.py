@@ -131,13 +131,15 @@ def test_bad_inputs_give_clear_errors(tmp_path, monkeypatch):
 
 
 def test_steps_at_or_below_the_checkpoint_do_nothing(tmp_path, caplog):
-  """A checkpoint at step 5 and steps 3 or 5: nothing trained, nothing written."""
+  """A checkpoint at step 5 and steps 3 or 5: nothing trained, nothing written. The checkpoint's
+  model description differs (as after a config field was added) but every param shape agrees:
+  it resumes, with a warning."""
   teacher, tp, student, sp = models()
   source = data.MarkovSource(vocab_size=32, batch_size=8, prompt_len=4, target_len=8)
   cfg = trainer.TrainConfig(steps=5, batch_size=8, lambda1=1.0, progress=False,
                             async_checkpoint=False)
   tr = trainer.Trainer(cfg, student, teacher, source, tmp_path, eos_id=1, model_desc=repr(student))
-  ckpt = checkpoint.Checkpointer(tmp_path, checkpoint.ModelSignature.of(sp, repr(student)))
+  ckpt = checkpoint.Checkpointer(tmp_path, checkpoint.ModelSignature.of(sp, "Decoder(older)"))
   state = tr.init_state(sp)
   ckpt.save(5, trainer._as_dict(state.replace(step=state.step + 5)), force=True)
   ckpt.close()
@@ -145,11 +147,12 @@ def test_steps_at_or_below_the_checkpoint_do_nothing(tmp_path, caplog):
   for steps in (3, 5):
     tr = trainer.Trainer(dataclasses_replace(cfg, steps=steps), student, teacher, source, tmp_path,
                          eos_id=1, model_desc=repr(student))
-    with caplog.at_level("INFO", logger="specjax.distill.trainer"):
+    with caplog.at_level("INFO", logger="specjax"):
       state = tr.run(sp, tp)
     assert tr.steps_run == 0 and int(state.step) == 5
     expected = f"nothing to do: the checkpoint in {tmp_path} is at step 5 and steps is {steps}"
     assert expected in caplog.text
+    assert "was written for Decoder(older); this run's model is Decoder(" in caplog.text
   assert sorted(str(p) for p in tmp_path.rglob("*")) == before
   assert not (tmp_path / "metrics.jsonl").exists()
 

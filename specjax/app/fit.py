@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -118,7 +117,7 @@ class ProgressDisplay:
 
   def _print(self, text: str) -> None:
     if self.live:
-      self.progress.console.print(text, markup=False, highlight=False)
+      self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
     else:
       print(text, file=self.stream, flush=True)
 
@@ -133,8 +132,7 @@ class ProgressDisplay:
     if not self.live:
       return
     eta = (info["total"] - info["step"]) * self.step_s
-    stats = (f"loss {info['loss']:.4g} | {_si(self.rate)} tok/s | "
-             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+    stats = f"loss {info['loss']:.4g} | {_si(self.rate)} tok/s | ETA {_clock(eta)}"
     self.progress.update(self.task, completed=info["step"], stats=stats)
 
   def close(self) -> None:
@@ -145,6 +143,12 @@ class ProgressDisplay:
 
 def _average(old: float | None, new: float, weight: float = 0.3) -> float:
   return new if old is None else (1 - weight) * old + weight * new
+
+
+def _clock(seconds: float) -> str:
+  """3725 -> '1:02:05' (hours unbounded: a 300k-step run may be days away)."""
+  minutes, secs = divmod(int(seconds), 60)
+  return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def _si(value: float) -> str:

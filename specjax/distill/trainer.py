@@ -242,6 +242,7 @@ class Trainer:
     self.steps_run = 0                 # steps trained by the last `run`
     self._updates: dict[tuple, Any] = {}
     self._sampled: set[tuple] = set()
+    self._evaluated = False
 
   # -- placement -------------------------------------------------------------------------------
   def state_shardings(self, state: TrainState):
@@ -425,7 +426,9 @@ class Trainer:
       return {}
     started = time.perf_counter()
     extra = self.eval_fn(done, state)
-    log.info("evaluated at step %d in %.1fs", done, time.perf_counter() - started)
+    first = " (the first evaluation compiles it)" if not self._evaluated else ""
+    self._evaluated = True
+    log.info("evaluated at step %d in %.1fs%s", done, time.perf_counter() - started, first)
     return extra
 
 

@@ -2,16 +2,28 @@
 
 Parameter leaf name (fixed by docs/architecture.md) -> logical axes -> mesh axes:
 
-  query/key/value [D, H*Dh]  ('embed', 'heads')      out [H*Dh, D]   ('heads', 'embed')
+  query [D, H*Dh]  ('embed', 'heads')   key/value [D, Hkv*Dh] ('embed', 'kv_heads')
+  out [H*Dh, D]    ('heads', 'embed')
   wi/wi_0/wi_1    [D, F]     ('embed', 'mlp')        wo  [F, D]      ('mlp', 'embed')
   embedding       [V, D]     ('vocab', 'embed')      lm_head [D, V]  ('embed', 'vocab')
   relpos_bias     [N, H]     ('relpos', 'heads')     scale / bias    [D] ('embed',)
 
-and logical -> mesh: heads, mlp, vocab -> 'model' (tensor parallelism); batch -> 'data';
-embed, relpos, layers -> replicated. Flax Dense leaves take their module's name: `query/kernel`
-is `query`, and `query/bias` gets the kernel's output axis (('heads',)). A leaf with one extra
-leading axis (scanned layers) gets 'layers' in front. Names outside the table, dimensions that the
-mesh axis does not divide, and leaves of another rank are replicated (correct, just not sharded).
+and logical -> mesh: heads, kv_heads, mlp, vocab -> 'model' (tensor parallelism); batch ->
+'data'; embed, relpos, layers, length, head_dim -> replicated. Flax Dense leaves take their
+module's name: `query/kernel` is `query`, and `query/bias` gets the kernel's output axis
+(('heads',)). A leaf with one extra leading axis (scanned layers) gets 'layers' in front. Names
+outside the table, dimensions that the mesh axis does not divide, and leaves of another rank are
+replicated (correct, just not sharded). `units` ({'heads': H, 'kv_heads': Hkv}) keeps a head whole:
+a [D, Hkv*Dh] kernel is split only when the mesh axis divides Hkv itself (grouped-query attention
+with fewer KV heads than the axis replicates the KV projections and the cache instead of cutting
+heads in half).
+
+KV cache fields (decoding; `cache_shardings`):
+
+  k/v/cross_k/cross_v [L, B, Hkv, S, Dh]  ('layers', 'batch', 'kv_heads', 'length', 'head_dim')
+  lengths [B] ('batch',)                  enc_mask [B, E] ('batch', 'length')
+
+so every device holds its rows ('data') and its KV heads ('model') of every layer and position.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 MESH_AXES = ("data", "model")
 
 PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "query": ("embed", "heads"), "key": ("embed", "heads"), "value": ("embed", "heads"),
+    "query": ("embed", "heads"), "key": ("embed", "kv_heads"), "value": ("embed", "kv_heads"),
     "out": ("heads", "embed"),
     "wi": ("embed", "mlp"), "wi_0": ("embed", "mlp"), "wi_1": ("embed", "mlp"),
     "wo": ("mlp", "embed"),
@@ -36,13 +48,32 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 }
 
 LOGICAL_TO_MESH: dict[str, str | None] = {
-    "batch": "data", "heads": "model", "mlp": "model", "vocab": "model",
-    "embed": None, "relpos": None, "layers": None,
+    "batch": "data", "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model",
+    "embed": None, "relpos": None, "layers": None, "length": None, "head_dim": None,
+}
+
+_KV = ("layers", "batch", "kv_heads", "length", "head_dim")
+CACHE_AXES: dict[str, tuple[str, ...]] = {
+    "k": _KV, "v": _KV, "cross_k": _KV, "cross_v": _KV,
+    "lengths": ("batch",), "enc_mask": ("batch", "length"),
 }
 
 
 class MeshError(ValueError):
   pass
+
+
+class HeadsError(MeshError):
+  """The mesh 'model' axis divides neither a model's attention heads nor its KV heads; carries
+  `model_axis`, `heads`, `kv_heads`, `valid` (model axis sizes that work) and `what`."""
+
+  def __init__(self, model_axis: int, heads: int, kv_heads: int, valid: tuple[int, ...],
+               what: str = "the model"):
+    choices = ", ".join(str(v) for v in valid)
+    super().__init__(f"mesh model axis {model_axis} divides neither the {heads} attention heads "
+                     f"nor the {kv_heads} KV heads of {what}: use a model axis of {choices}")
+    self.model_axis, self.heads, self.kv_heads = model_axis, heads, kv_heads
+    self.valid, self.what = valid, what
 
 
 def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
@@ -90,12 +121,15 @@ def logical_axes(params) -> Any:
       lambda path, x: leaf_axes(_names(path), np.ndim(x)), params)
 
 
-def spec_for(axes, shape, mesh: Mesh) -> P:
-  """Mesh PartitionSpec for logical axes; a dim the mesh axis does not divide is replicated."""
+def spec_for(axes, shape, mesh: Mesh, units: dict[str, int] | None = None) -> P:
+  """Mesh PartitionSpec for logical axes; a dim the mesh axis does not divide is replicated, and
+  so is a dim whose `units` count (heads in a [.., H*Dh] dim) the mesh axis does not divide."""
   out, used = [], set()
   for logical, size in zip(axes, shape):
     mesh_axis = LOGICAL_TO_MESH.get(logical) if logical else None
-    if mesh_axis is None or mesh_axis in used or size % mesh.shape[mesh_axis]:
+    parts = mesh.shape[mesh_axis] if mesh_axis else 1
+    whole = (units or {}).get(logical, size)
+    if mesh_axis is None or mesh_axis in used or size % parts or whole % parts:
       out.append(None)
     else:
       out.append(mesh_axis)
@@ -103,12 +137,51 @@ def spec_for(axes, shape, mesh: Mesh) -> P:
   return P(*out)
 
 
-def param_shardings(params, mesh: Mesh) -> Any:
-  """NamedSharding per param leaf (works on arrays or jax.ShapeDtypeStruct)."""
+def param_shardings(params, mesh: Mesh, units: dict[str, int] | None = None) -> Any:
+  """NamedSharding per param leaf (works on arrays or jax.ShapeDtypeStruct); units: see
+  spec_for (decoding passes the model's head counts)."""
   def one(path, x):
     axes = leaf_axes(_names(path), len(x.shape))
-    return NamedSharding(mesh, spec_for(axes, x.shape, mesh))
+    return NamedSharding(mesh, spec_for(axes, x.shape, mesh, units))
   return jax.tree_util.tree_map_with_path(one, params)
+
+
+def cache_specs(cache, mesh: Mesh) -> Any:
+  """PartitionSpec per KV-cache leaf (CACHE_AXES by field name; another field: rows over 'data').
+  Heads are split only when the 'model' axis divides the cached (KV) heads."""
+  def one(path, x):
+    names = _names(path)
+    axes = CACHE_AXES.get(names[-1] if names else "", ("batch",) + (None,) * (len(x.shape) - 1))
+    return spec_for(axes, x.shape, mesh)
+  return jax.tree_util.tree_map_with_path(one, cache)
+
+
+def cache_shardings(cache, mesh: Mesh) -> Any:
+  """NamedSharding per KV-cache leaf: rows over 'data', KV heads over 'model' (see cache_specs)."""
+  return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache, mesh),
+                                is_leaf=lambda x: isinstance(x, P))
+
+
+def row_sharding(x, mesh: Mesh) -> NamedSharding:
+  """Per-row decoding state [B, ...]: rows over 'data' (scalars replicated)."""
+  axes = ("batch",) + (None,) * (len(x.shape) - 1) if len(x.shape) else ()
+  return NamedSharding(mesh, spec_for(axes, x.shape, mesh))
+
+
+def check_heads(mesh: Mesh, heads: int, kv_heads: int, what: str = "the model") -> None:
+  """Refuse a 'model' axis that splits no head: it must divide the attention heads (a divisor of
+  the KV heads divides them too; then the KV cache is split as well)."""
+  model_axis = mesh.shape["model"]
+  if heads % model_axis:
+    devices = mesh.devices.size
+    valid = tuple(m for m in range(1, heads + 1) if heads % m == 0 and devices % m == 0)
+    raise HeadsError(model_axis, heads, kv_heads, valid, what)
+
+
+def padded_batch(batch: int, mesh: Mesh) -> int:
+  """The smallest batch >= `batch` that the 'data' axis divides (decoding pads up to it)."""
+  data = mesh.shape["data"]
+  return -(-batch // data) * data
 
 
 def _param_index(params) -> dict:
@@ -183,6 +256,20 @@ def shard_batch(tree, mesh: Mesh, local: bool = False):
     return jax.tree_util.tree_map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
   return jax.device_put(tree, sharding)
+
+
+def place(tree, shardings):
+  """Put every leaf on its sharding (leaves already there are kept). Across processes each leaf
+  must hold the same value on every process (params, prompts and keys of a decoding call): the
+  global array is assembled from that value, so no process needs the others' data."""
+  def one(x, s):
+    if isinstance(x, jax.Array) and x.sharding == s:
+      return x
+    if jax.process_count() == 1:
+      return jax.device_put(x, s)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+  return jax.tree_util.tree_map(one, tree, shardings)
 
 
 def num_params(params) -> int:

@@ -2,18 +2,22 @@
 
 Row b draws output token t with key fold_in(row_key_b, t), so a row's output does not depend on
 the batch it sits in. The first token comes from prefill's logits; each later step feeds the last
-token with one `extend` call. Rows stop independently at EOS or max_new_tokens.
+token with one `extend` call. Rows stop independently at EOS or max_new_tokens. With `mesh=` the
+same `loop` runs sharded (decoding/sharded.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from specjax import sampling
-from specjax.decoding.state import Generation, SpecState, SpecStats, finish
+from specjax.decoding import sharded
+from specjax.decoding.state import Generation, SpecState, SpecStats, finish, write_rows
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -48,38 +52,65 @@ def stream_anchor(model, prompt: Prompt) -> jax.Array:
   return jnp.take_along_axis(prompt.tokens, last, axis=1)[:, 0].astype(jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything static about one generation (the jit cache key)."""
+  model: Any
+  warp: sampling.Warp
+  eos: int          # -1: no EOS
+  max_new: int
+  max_len: int      # cache capacity
+  mesh: Any = None  # a ('data', 'model') Mesh: the loop runs sharded over it
+
+
 def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: int,
-             warp: sampling.Warp, eos_id: int | None, max_len: int | None = None) -> Generation:
+             warp: sampling.Warp, eos_id: int | None, max_len: int | None = None,
+             mesh=None) -> Generation:
   """Sample up to max_new_tokens per row from the (warped) target.
 
   key: one PRNG key (row b uses fold_in(key, b)) or per-row keys [B]. max_len: cache size
-  (default: just enough); checked on the host before anything is compiled.
+  (default: just enough); checked on the host before anything is compiled. mesh: a ('data',
+  'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one device.
   """
   check_lengths(max_new_tokens, prompt)
   need = prompting.prefix_len(model, prompt) + max_new_tokens      # done rows still extend by one
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, "prompt + max_new_tokens")
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
-  state = _run(model, warp, eos_value(eos_id), max_new_tokens, max_len, params, prompt, keys)
-  return finish(state, max_new_tokens)
+  setup = Setup(model, warp, eos_value(eos_id), max_new_tokens, max_len, mesh)
+  if mesh is not None:
+    return sharded.generate(loop, setup, (model,), (params,), (prompt,), keys, max_new_tokens)
+  return finish(_run(setup, params, prompt, keys), max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _run(model, warp, eos, max_new, max_len, params, prompt, keys) -> SpecState:
-  state = _init(model, warp, eos, max_new, max_len, params, prompt, keys)
+@functools.partial(jax.jit, static_argnums=0)
+def _run(setup: Setup, params, prompt, keys) -> SpecState:
+  return loop(setup, (params,), (prompt,), keys)
+
+
+def loop(setup: Setup, params, prompts, keys) -> SpecState:
+  """`_run` before jit (decoding/sharded.py jits it with explicit shardings): params = (the
+  model's,), prompts = (its prompt,). With setup.mesh the state is pinned every step."""
+  (params,), (prompt,) = params, prompts
+  model, warp, eos, max_new = setup.model, setup.warp, setup.eos, setup.max_new
+  state = _init(setup, params, prompt, keys)
   step = functools.partial(_step, model, warp, eos, max_new, params)
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                            lambda s: sharded.pin(step(s), setup.mesh),
+                            sharded.pin(state, setup.mesh))
 
 
-def _init(model, warp, eos, max_new, max_len, params, prompt, keys) -> SpecState:
+def _init(setup: Setup, params, prompt, keys) -> SpecState:
+  model, max_new = setup.model, setup.max_new
   batch = prompt.tokens.shape[0]
-  cache = model.init_cache(batch, max_len, prompting.enc_len(model, prompt))
+  cache = sharded.init_cache(model, batch, setup.max_len, prompting.enc_len(model, prompt),
+                             setup.mesh)
   logits, _, cache = model.prefill(params, prompt, cache)                # [B, V]
-  first = warp.sample(logits, sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32)))
+  first = setup.warp.sample(logits, sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32)))
   ones = jnp.ones((batch,), jnp.int32)
   return SpecState(
       tokens=jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(first),
-      lengths=ones, done=(first == eos) | (max_new <= 1),
+      lengths=ones, done=(first == setup.eos) | (max_new <= 1),
       last_two=jnp.stack([stream_anchor(model, prompt), first], axis=1),
       target_cache=cache, draft_cache=None, rule_state=(), key=keys,
       stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones))
@@ -90,12 +121,11 @@ def _step(model, warp, eos, max_new, params, s: SpecState) -> SpecState:
   logits, _, cache = model.extend(params, s.last_two[:, 1:], s.target_cache)   # [B, 1, V]
   token = warp.sample(logits[:, 0], sampling.position_keys(s.key, s.lengths))
   cache = kv_cache.rollback(cache, jnp.where(live, cache.lengths, s.target_cache.lengths))
-  rows = jnp.arange(token.shape[0])
   write_at = jnp.where(live, s.lengths, max_new)                          # max_new: dropped
   lengths = s.lengths + live
   done = s.done | (live & ((token == eos) | (lengths >= max_new)))
   shifted = jnp.stack([s.last_two[:, 1], token], axis=1)
   return s.replace(
-      tokens=s.tokens.at[rows, write_at].set(token, mode="drop"), lengths=lengths, done=done,
+      tokens=write_rows(s.tokens, write_at, token), lengths=lengths, done=done,
       last_two=jnp.where(live[:, None], shifted, s.last_two), target_cache=cache,
       stats=s.stats.add(blocks=live, emitted=live, target_passes=live))

@@ -13,6 +13,9 @@ Keys: row b's block starting at generated length g uses fold_in(fold_in(row_key_
 drafting (then fold_in(., step)) and fold_in(., 1) for verification. The first token is the
 rule's first_token of the target's prefill logits with fold_in(row_key_b, 0): a sample of the warp,
 exactly as autoregressive decoding, unless the rule says otherwise (greedy: the argmax).
+
+With `mesh=` the same `loop` runs sharded (decoding/sharded.py): params by the rules table, caches
+over rows and KV heads, per-row state over rows, the state pinned to that layout every block.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import jax.numpy as jnp
 from specjax import sampling
 from specjax.acceptance import base, registry
 from specjax.decoding import autoregressive as ar
-from specjax.decoding.state import Generation, SpecState, SpecStats, finish
+from specjax.decoding import sharded
+from specjax.decoding.state import Generation, SpecState, SpecStats, finish, write_rows
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -45,6 +49,7 @@ class Setup:
   warp: sampling.Warp
   eos: int          # -1: no EOS
   max_len: int      # cache capacity of both models
+  mesh: Any = None  # a ('data', 'model') Mesh: the loop runs sharded over it (decoding/sharded.py)
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -58,18 +63,26 @@ class Anchors:
 def generate(target, target_params, draft, draft_params, prompt: Prompt, key: jax.Array, *,
              rule: base.Rule | str, gamma: int, max_new_tokens: int, warp: sampling.Warp,
              eos_id: int | None, draft_prompt: Prompt | None = None, max_len: int | None = None,
-             debug: bool = False) -> Generation:
+             debug: bool = False, mesh=None) -> Generation:
   """Speculative decoding of up to max_new_tokens per row.
 
   rule: a Rule or a registered name. key: one PRNG key (row b uses fold_in(key, b)) or per-row
   keys [B]. draft_prompt: the prompt in the draft's tokenization (default: prompt). max_len: the
   cache size of both models (default: just enough). debug=True runs the same block function from
   a Python loop, one jitted call per block (wrap the call in `jax.disable_jit()` to run eagerly).
+  mesh: a ('data', 'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one
+  device.
   """
   setup = _validate(target, draft, prompt, draft_prompt, rule=rule, gamma=gamma,
                     max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
+  setup = dataclasses.replace(setup, mesh=mesh)
   draft_prompt = prompt if draft_prompt is None else draft_prompt
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
+  if mesh is not None:
+    if debug:
+      raise ValueError("debug=True steps the loop on one device: leave mesh unset to debug")
+    return sharded.generate(loop, setup, (target, draft), (target_params, draft_params),
+                            (prompt, draft_prompt), keys, max_new_tokens)
   if debug:
     state = _run_python(setup, target_params, draft_params, prompt, draft_prompt, keys)
   else:
@@ -113,9 +126,19 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
 def run(setup: Setup, target_params, draft_params, prompt: Prompt, draft_prompt: Prompt,
         keys: jax.Array) -> SpecState:
   """The whole generation as one compiled call; returns the final SpecState (caches included)."""
+  return loop(setup, (target_params, draft_params), (prompt, draft_prompt), keys)
+
+
+def loop(setup: Setup, params, prompts, keys: jax.Array) -> SpecState:
+  """`run` before jit (decoding/sharded.py jits it with explicit shardings): params = (target's,
+  draft's), prompts = (target's, draft's). With setup.mesh the state is pinned to its shardings
+  after the prefill and after every block."""
+  (target_params, draft_params), (prompt, draft_prompt) = params, prompts
   state, anchors = init(setup, target_params, draft_params, prompt, draft_prompt, keys)
   step = functools.partial(block, setup, target_params, draft_params, anchors)
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                            lambda s: sharded.pin(step(s), setup.mesh),
+                            sharded.pin(state, setup.mesh))
 
 
 def _run_python(setup, target_params, draft_params, prompt, draft_prompt, keys) -> SpecState:
@@ -132,11 +155,13 @@ def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
   """Prefill both models; the first token is the rule's draw from the target's prefill logits."""
   target, draft = setup.target, setup.draft
   batch = prompt.tokens.shape[0]
-  tcache = target.init_cache(batch, setup.max_len, prompting.enc_len(target, prompt))
+  tcache = sharded.init_cache(target, batch, setup.max_len, prompting.enc_len(target, prompt),
+                              setup.mesh)
   logits, _, tcache = target.prefill(target_params, prompt, tcache)      # [B, V]
   first_keys = sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32))
   first = setup.rule.first_token(logits, setup.warp, first_keys).astype(jnp.int32)   # [B]
-  dcache = draft.init_cache(batch, setup.max_len, prompting.enc_len(draft, draft_prompt))
+  dcache = sharded.init_cache(draft, batch, setup.max_len,
+                              prompting.enc_len(draft, draft_prompt), setup.mesh)
   _, _, dcache = draft.prefill(draft_params, draft_prompt, dcache)
   anchors = Anchors(target_base=tcache.lengths, draft_base=dcache.lengths,
                     draft_anchor=ar.stream_anchor(draft, draft_prompt))
@@ -339,7 +364,6 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
   has_eos = jnp.any(is_eos, axis=1)
   count = jnp.where(has_eos, first_eos + 1, n + 1)
   count = jnp.where(live, jnp.minimum(count, max_new - s.lengths), 0).astype(jnp.int32)
-  rows = jnp.arange(out.shape[0])[:, None]
   write_at = jnp.where(j < count[:, None], s.lengths[:, None] + j, max_new)
   lengths = s.lengths + count
   done = s.done | (live & ((has_eos & (first_eos < count)) | (lengths >= max_new)))
@@ -351,7 +375,7 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
                       verified=as_int(jnp.minimum(n + 1, d.draft_len)), emitted=count,
                       target_passes=live, draft_passes=as_int(d.passes))
   return s.replace(
-      tokens=s.tokens.at[rows, write_at].set(out, mode="drop"), lengths=lengths, done=done,
+      tokens=write_rows(s.tokens, write_at, out), lengths=lengths, done=done,
       last_two=last_two, stats=stats,
       target_cache=kv_cache.rollback(s.target_cache, anchors.target_base + lengths - 1))
 

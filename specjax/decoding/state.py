@@ -101,6 +101,13 @@ class Generation:
   stats: SpecStats
 
 
+def write_rows(buffer: jax.Array, at: jax.Array, values: jax.Array) -> jax.Array:
+  """buffer[b, at[b, ...]] = values[b, ...] per row; indices past the buffer are dropped.
+  buffer [B, N], at and values [B] or [B, K]. One scatter batched over rows, so that rows split
+  over devices are written where they live."""
+  return jax.vmap(lambda row, i, v: row.at[i].set(v, mode="drop"))(buffer, at, values)
+
+
 @functools.partial(jax.jit, static_argnums=1)   # eagerly, these few ops cost ~1 ms per call
 def finish(state: SpecState, max_new_tokens: int) -> Generation:
   """Cut the token buffer to max_new_tokens and zero everything past each row's length."""

@@ -10,6 +10,10 @@ Row b holds `lengths[b]` valid entries. `extend` writes the T new keys/values of
 positions lengths[b] .. lengths[b]+T-1 and advances `lengths`; entries past a row's length are
 stale, masked out of attention, and overwritten later. Rollback is therefore only
 `cache.replace(lengths=new_lengths)` (see `rollback`).
+
+Sharded decoding (decoding/sharded.py) splits the rows over devices and sets `batched_writes`:
+every write is then one batched scatter, whose rows stay on their devices (the row-by-row form
+below indexes rows statically and moves each row's entries between devices).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class KVCache:
   cross_k: jax.Array | None = None     # [L, B, H, E, Dh] encoder keys (T5 only)
   cross_v: jax.Array | None = None     # [L, B, H, E, Dh] encoder values (T5 only)
   enc_mask: jax.Array | None = None    # [B, E] bool, valid encoder positions (T5 only)
+  batched_writes: bool = flax.struct.field(pytree_node=False, default=False)   # see module doc
 
   @property
   def capacity(self) -> int:
@@ -61,15 +66,17 @@ def write_layer(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array
 ROWWISE_MAX_BATCH = 8
 
 
-def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array,
+                 batched: bool = False) -> jax.Array:
   """write_layer for every layer at once: buf [L, B, H, S, Dh], new [L, B, T, H, Dh].
 
   Small batches (the latency-bound case) write row by row with scalar-offset
   dynamic_update_slice, which XLA performs in place inside the decoding loop; the batched form
-  lowers to a scatter that copies the whole buffer each call (cost linear in the cache size).
+  (any batch with `batched`) lowers to a scatter that copies the whole buffer each call on
+  XLA:CPU (cost linear in the cache size).
   """
   batch = buf.shape[1]
-  if batch > ROWWISE_MAX_BATCH:
+  if batched or batch > ROWWISE_MAX_BATCH:
     return jax.vmap(write_layer, in_axes=(0, 0, None))(buf, new, lengths)
   new = jnp.swapaxes(new, 2, 3).astype(buf.dtype)                       # [L, B, H, T, Dh]
   for b in range(batch):
@@ -79,8 +86,9 @@ def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Arra
 
 def append(cache: KVCache, k: jax.Array, v: jax.Array) -> KVCache:
   """Write the T new entries k, v [L,B,T,H,Dh] of row b at lengths[b] and advance lengths by T."""
-  return cache.replace(k=write_layers(cache.k, k, cache.lengths),
-                       v=write_layers(cache.v, v, cache.lengths),
+  batched = cache.batched_writes
+  return cache.replace(k=write_layers(cache.k, k, cache.lengths, batched),
+                       v=write_layers(cache.v, v, cache.lengths, batched),
                        lengths=cache.lengths + k.shape[2])
 
 

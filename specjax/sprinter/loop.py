@@ -20,6 +20,9 @@ Keys: row b's step at generated length g uses k = fold_in(row_key_b, g): x ~ q w
 an always-accepting verifier reproduces `autoregressive.generate` on the draft bit for bit),
 fold_in(k, 1) for the uniform, fold_in(k, 2) for the residual sample, fold_in(k, 3) for the
 verifier (random test verifiers only).
+
+With `mesh=` the same `loop` runs sharded (decoding/sharded.py); the verifier's params are
+replicated.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ import numpy as np
 from specjax import sampling
 from specjax.acceptance import base
 from specjax.decoding import autoregressive as ar
-from specjax.decoding.state import STAT_FIELDS, Generation, SpecStats, finish
+from specjax.decoding import sharded
+from specjax.decoding.state import STAT_FIELDS, Generation, SpecStats, finish, write_rows
 from specjax.models import Prompt, prompting
 from specjax.models import kv_cache
 
@@ -85,6 +89,7 @@ class Setup:
   warp: sampling.Warp
   eos: int              # -1: no EOS
   max_len: int          # cache capacity of both models
+  mesh: Any = None      # a ('data', 'model') Mesh: the loop runs sharded over it
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -111,17 +116,25 @@ class Anchors:
 def generate(target, target_params, draft, draft_params, verifier, verifier_params,
              prompt: Prompt, key: jax.Array, *, threshold: float, gamma_max: int | None,
              max_new_tokens: int, warp: sampling.Warp, eos_id: int | None,
-             max_len: int | None = None, debug: bool = False) -> Generation:
+             max_len: int | None = None, debug: bool = False, mesh=None) -> Generation:
   """SPRINTER decoding of up to max_new_tokens per row; stats are SprinterStats.
 
   gamma_max: consecutive verifier accepts before a forced target call (None: no cap; 0: every
   token goes to the target). key: one PRNG key (row b uses fold_in(key, b)) or per-row keys [B].
   debug=True runs the same step function from a Python loop (one jitted call per step).
+  mesh: a ('data', 'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one
+  device.
   """
   setup = _validate(target, draft, verifier, prompt, threshold=threshold, gamma_max=gamma_max,
                     max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
+  setup = dataclasses.replace(setup, mesh=mesh)
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
   params = (target_params, draft_params, verifier_params)
+  if mesh is not None:
+    if debug:
+      raise ValueError("debug=True steps the loop on one device: leave mesh unset to debug")
+    return sharded.generate(loop, setup, (target, draft, None), params, (prompt,), keys,
+                            max_new_tokens)
   if debug:
     state, anchors = _init_jit(setup, params, prompt, keys)
     while not bool(jnp.all(state.done)):
@@ -160,9 +173,17 @@ def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_
 def run(setup: Setup, params, prompt: Prompt, keys: jax.Array) -> SeqState:
   """The whole generation as one compiled call; returns the final state (caches included).
   params = (target_params, draft_params, verifier_params)."""
-  state, anchors = init(setup, params, prompt, keys)
+  return loop(setup, params, (prompt,), keys)
+
+
+def loop(setup: Setup, params, prompts, keys: jax.Array) -> SeqState:
+  """`run` before jit (decoding/sharded.py jits it with explicit shardings); prompts = (the
+  prompt,). With setup.mesh the state is pinned to its shardings every step."""
+  state, anchors = init(setup, params, prompts[0], keys)
+  one_step = functools.partial(step, setup, params, anchors)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                            functools.partial(step, setup, params, anchors), state)
+                            lambda s: sharded.pin(one_step(s), setup.mesh),
+                            sharded.pin(state, setup.mesh))
 
 
 def init(setup: Setup, params, prompt: Prompt, keys: jax.Array) -> tuple[SeqState, Anchors]:
@@ -171,10 +192,12 @@ def init(setup: Setup, params, prompt: Prompt, keys: jax.Array) -> tuple[SeqStat
   target, draft = setup.target, setup.draft
   tparams, dparams, _ = params
   batch = prompt.tokens.shape[0]
-  tcache = target.init_cache(batch, setup.max_len, prompting.enc_len(target, prompt))
+  tcache = sharded.init_cache(target, batch, setup.max_len, prompting.enc_len(target, prompt),
+                              setup.mesh)
   _, _, tcache = target.prefill(tparams, prompt, tcache)
   anchors = Anchors(target_base=tcache.lengths, target_anchor=ar.stream_anchor(target, prompt))
-  dcache = draft.init_cache(batch, setup.max_len, prompting.enc_len(draft, prompt))
+  dcache = sharded.init_cache(draft, batch, setup.max_len, prompting.enc_len(draft, prompt),
+                              setup.mesh)
   q_logits, hidden, dcache = draft.prefill(dparams, prompt, dcache)       # [B, V], [B, D]
   ones = jnp.ones((batch,), jnp.int32)
   state = SeqState(
@@ -280,11 +303,10 @@ def _draft_update(setup: Setup, dparams, s: SeqState, live, y, fed, replaced):
 
 def _commit(setup: Setup, s: SeqState, live, y, need) -> SeqState:
   """Write y at each live row's length; done at EOS or max_new_tokens."""
-  rows = jnp.arange(y.shape[0])
   write_at = jnp.where(live, s.lengths, setup.max_new)                   # max_new: dropped
   lengths = s.lengths + live
   done = s.done | (live & ((y == setup.eos) | (lengths >= setup.max_new)))
-  return s.replace(tokens=s.tokens.at[rows, write_at].set(y, mode="drop"), lengths=lengths,
+  return s.replace(tokens=write_rows(s.tokens, write_at, y), lengths=lengths,
                    done=done, run_len=jnp.where(need, 0, s.run_len + live))
 
 

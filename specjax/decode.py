@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     report = runner.run(cfg, prompts)
     wall = time.perf_counter() - start
+    if not runner.reports():        # multi-host: process 0 prints and writes
+      return 0
     for item in report["results"]:
       print(f"> {item['prompt']}\n{item['text']}\n")
     print(runner.summary_line(report["stats"], wall))

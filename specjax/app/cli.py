@@ -55,6 +55,11 @@ def advice(err: Exception) -> str:
     return (f"{err.what} needs {err.needed} cache positions but the cache holds {err.capacity}: "
             f"raise --config.decode.max_len (at least {err.needed}), or shorten the prompt / "
             f"--config.decode.max_new_tokens")
+  if isinstance(err, sharding.HeadsError):
+    choices = ", ".join(str(v) for v in err.valid)
+    return (f"--config.mesh.model={err.model_axis} divides neither the {err.heads} attention "
+            f"heads nor the {err.kv_heads} KV heads of {err.what}: set --config.mesh.model to "
+            f"one of {choices} (and --config.mesh.data=-1 to use the other devices for rows)")
   if isinstance(err, sharding.MeshError):
     return f"{err} (set --config.mesh.data and --config.mesh.model)"
   if isinstance(err, VerifierNotFoundError):

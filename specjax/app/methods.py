@@ -8,20 +8,26 @@ Adding a method is one class here (or in its own module) and one `@register`.
 `rule.name` picks the method: a method name (sprinter, slem, slrs) runs that method; any other
 name is an acceptance rule of speculative decoding; without a draft checkpoint the target
 decodes alone.
+
+Devices: the `mesh` section (data x model; 1 x 1, the default, is one device) places every
+model's params by the sharding rules table when the method is built, and the jitted loops run
+over that mesh (decoding/sharded.py); `distributed.enabled` joins the other processes first.
+String-level methods run on one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
 
+from specjax import sharding
 from specjax.acceptance import registry, vocab
 from specjax.app import builders, resolve
 from specjax.app.config import ConfigError
-from specjax.decoding import autoregressive, speculative, string_level
+from specjax.decoding import autoregressive, sharded, speculative, string_level
 from specjax.decoding.state import Generation
 from specjax.models import prompting
 from specjax.models.prompting import Prompt
@@ -51,6 +57,50 @@ def method_name(config, draft_role: str = "draft") -> str:
   return rule if rule in _METHODS else "speculative"
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+  """The `mesh` section of decoding: a ('data', 'model') mesh; 1 x 1 decodes on one device."""
+  data: int = 1                  # batch rows split over this many devices (-1: all the rest)
+  model: int = 1                 # heads (KV heads when they divide), mlp and vocab split this way
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+  """The `distributed` section: jax.distributed.initialize before anything runs (multi-host)."""
+  enabled: bool = False
+  coordinator: str = ""          # host:port of process 0; "" where JAX finds it (TPU pods)
+  num_processes: int = 0         # 0: found by JAX
+  process_id: int = -1           # -1: found by JAX
+
+
+def mesh_from_config(config):
+  """The decoding mesh of the `mesh` section (None: one device), after jax.distributed joins
+  the other processes when `distributed.enabled` (before anything runs on a device)."""
+  dist = builders.typed(DistributedSettings, builders.section(config, "distributed"),
+                        "distributed")
+  if dist.enabled:
+    sharding.initialize_distributed(dist.coordinator or None, dist.num_processes or None,
+                                    dist.process_id if dist.process_id >= 0 else None)
+  spec = builders.typed(MeshSettings, builders.section(config, "mesh"), "mesh")
+  if (spec.data, spec.model) == (1, 1):
+    return None
+  mesh = sharding.make_mesh(spec.data, spec.model)
+  return None if mesh.devices.size == 1 else mesh
+
+
+def load_placed(config, role: str, mesh, target: bool) -> resolve.LoadedModel:
+  """A model section loaded, its params placed on the mesh by the rules table. The target must
+  have heads that the mesh's model axis divides (sharding.HeadsError); a draft whose heads it
+  does not divide keeps its attention replicated."""
+  loaded = resolve.load(builders.model_spec(config, role))
+  if mesh is None:
+    return loaded
+  if target:
+    sharded.check_target(loaded.model, mesh, f"the {role} model")
+  return dataclasses.replace(loaded, params=sharded.place_params(loaded.model, loaded.params,
+                                                                 mesh))
+
+
 def build(config, draft_role: str = "draft"):
   """The configured method; `draft_role` picks another draft section (eval: `draft_raw`). A
   model alone: `Autoregressive.from_config(config, target_role=ROLE)`."""
@@ -69,6 +119,7 @@ class Method:
   """What every method shares: the target, the decode settings, prompts and outputs."""
   target: resolve.LoadedModel
   settings: builders.DecodeSettings
+  mesh: Any = None               # a ('data', 'model') Mesh the params live on; None: one device
   name: ClassVar[str] = ""
 
   @property
@@ -123,7 +174,7 @@ class Method:
 
   def target_only(self) -> "Autoregressive":
     """Autoregressive decoding with this method's target and settings (the speed baseline)."""
-    return Autoregressive(target=self.target, settings=self.settings)
+    return Autoregressive(target=self.target, settings=self.settings, mesh=self.mesh)
 
   def generate(self, prompts: Prompts, key) -> Generation:
     raise NotImplementedError
@@ -137,19 +188,21 @@ class Autoregressive(Method):
   @classmethod
   def from_config(cls, config, target_role="target", draft_role="draft"):
     del draft_role
-    return cls(target=resolve.load(builders.model_spec(config, target_role)),
-               settings=builders.decode_settings(config))
+    mesh = mesh_from_config(config)
+    return cls(target=load_placed(config, target_role, mesh, target=True),
+               settings=builders.decode_settings(config), mesh=mesh)
 
   def generate(self, prompts: Prompts, key) -> Generation:
     s = self.settings
     return autoregressive.generate(
         self.target.model, self.target.params, prompts.target, key,
-        max_new_tokens=s.max_new_tokens, warp=s.warp, eos_id=self.eos_id, max_len=self.max_len)
+        max_new_tokens=s.max_new_tokens, warp=s.warp, eos_id=self.eos_id, max_len=self.max_len,
+        mesh=self.mesh)
 
 
-def _load_pair(config, target_role: str, draft_role: str):
-  return (resolve.load(builders.model_spec(config, target_role)),
-          resolve.load(builders.model_spec(config, draft_role)))
+def _load_pair(config, target_role: str, draft_role: str, mesh=None):
+  return (load_placed(config, target_role, mesh, target=True),
+          load_placed(config, draft_role, mesh, target=False))
 
 
 @register("speculative")
@@ -166,7 +219,8 @@ class Speculative(Method):
 
   @classmethod
   def from_config(cls, config, target_role="target", draft_role="draft"):
-    target, draft = _load_pair(config, target_role, draft_role)
+    mesh = mesh_from_config(config)
+    target, draft = _load_pair(config, target_role, draft_role, mesh)
     name = builders.section(config, "rule").get("name", "")
     try:
       needs_map = not registry.rule_class(name).needs_same_vocab
@@ -179,7 +233,7 @@ class Speculative(Method):
       fixed["vocab"] = vocab.build(target.tokenizer, draft.tokenizer,
                                    target_width=target.model.vocab_size,
                                    draft_width=draft.model.vocab_size)
-    return cls(target=target, settings=builders.decode_settings(config), draft=draft,
+    return cls(target=target, settings=builders.decode_settings(config), mesh=mesh, draft=draft,
                rule=builders.rule(config, **fixed))
 
   def generate(self, prompts: Prompts, key) -> Generation:
@@ -187,7 +241,8 @@ class Speculative(Method):
     return speculative.generate(
         self.target.model, self.target.params, self.draft.model, self.draft.params,
         prompts.target, key, rule=self.rule, gamma=s.gamma, max_new_tokens=s.max_new_tokens,
-        warp=s.warp, eos_id=self.eos_id, draft_prompt=prompts.draft, max_len=self.max_len)
+        warp=s.warp, eos_id=self.eos_id, draft_prompt=prompts.draft, max_len=self.max_len,
+        mesh=self.mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,8 +273,9 @@ class Sprinter(Method):
                         "run)")
     verifier, params, meta = sprinter_verifier.load(hp.verifier)
     threshold, gamma_max = sprinter_verifier.decode_settings(meta, hp.threshold, hp.gamma_max)
-    target, draft = _load_pair(config, target_role, draft_role)
-    return cls(target=target, settings=builders.decode_settings(config), draft=draft,
+    mesh = mesh_from_config(config)
+    target, draft = _load_pair(config, target_role, draft_role, mesh)
+    return cls(target=target, settings=builders.decode_settings(config), mesh=mesh, draft=draft,
                verifier=verifier, verifier_params=params, threshold=threshold,
                gamma_max=gamma_max)
 
@@ -229,7 +285,7 @@ class Sprinter(Method):
         self.target.model, self.target.params, self.draft.model, self.draft.params,
         self.verifier, self.verifier_params, prompts.target, key, threshold=self.threshold,
         gamma_max=self.gamma_max, max_new_tokens=s.max_new_tokens, warp=s.warp,
-        eos_id=self.eos_id, max_len=self.max_len)
+        eos_id=self.eos_id, max_len=self.max_len, mesh=self.mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +311,9 @@ class StringLevel(Method):
     rule = dict(builders.section(config, "rule"))
     method = rule.pop("name")
     hp = builders.typed(StringLevelSettings, rule, "rule")
+    if mesh_from_config(config) is not None:
+      raise ConfigError(f"method {method} is host-driven and runs on one device: set "
+                        f"--config.mesh.data=1 --config.mesh.model=1")
     target, draft = _load_pair(config, target_role, draft_role)
     return cls(target=target, settings=builders.decode_settings(config), draft=draft,
                method=method, max_depth=hp.max_depth)

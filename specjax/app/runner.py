@@ -58,14 +58,29 @@ def formatted(method: methods.Method, prompts: list[str]) -> list[str]:
 
 
 def run(config, prompts: list[str]) -> dict:
-  """`specjax.decode`'s report: per prompt its text, ids and statistics; totals; settings."""
+  """`specjax.decode`'s report: per prompt its text, ids and statistics; totals; settings (with
+  the devices decoding ran on). Every process of a multi-host run gets the same report."""
   method = methods.build(config)
   settings = builders.decode_settings(config)
   key = jax.random.PRNGKey(settings.seed)
   rows = generate_texts(method, prompts, key, max(settings.batch_size, 1), pad_batches=False)
   results = [{"prompt": p, "text": text, "tokens": ids, "stats": st} for p, ids, text, st in rows]
-  return {"settings": {"mode": method.name, "label": method.label, **config.to_dict()},
+  return {"settings": {"mode": method.name, "label": method.label,
+                       "devices": devices(method.mesh), **config.to_dict()},
           "results": results, "stats": aggregate([r["stats"] for r in results])}
+
+
+def devices(mesh) -> dict:
+  """Where a method decodes: mesh data x model, devices and processes (1 x 1: one device)."""
+  shape = dict(mesh.shape) if mesh is not None else {"data": 1, "model": 1}
+  return {"mesh": f"{shape['data']}x{shape['model']}", "data": shape["data"],
+          "model": shape["model"], "devices": 1 if mesh is None else int(mesh.devices.size),
+          "processes": jax.process_count()}
+
+
+def reports() -> bool:
+  """Whether this process prints and writes results: process 0 (every process computes them)."""
+  return jax.process_index() == 0
 
 
 def summary_line(stats: dict, wall_s: float) -> str:

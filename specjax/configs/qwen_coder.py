@@ -37,5 +37,7 @@ def get_config():
   c.draft = common.model("pypi:qwen-coder/draft")
   c.rule = common.rule("greedy")
   c.decode = common.decode(gamma=4, temperature=0.0, max_new_tokens=64)
+  c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
+  c.distributed = common.distributed()
   c.prompts = list(PROMPTS)
   return c

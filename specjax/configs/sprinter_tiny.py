@@ -25,6 +25,8 @@ def get_config():
       val_fraction=0.1, test_fraction=0.1, seed=0))
   c.rule = common.rule("sprinter", verifier="runs/sprinter_tiny", threshold=-1.0, gamma_max=-1)
   c.decode = common.decode()
+  c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
+  c.distributed = common.distributed()
   c.data = common.stdlib_lm_data(eos_id=1)
   c.prompts = list(common.STDLIB_PROMPTS)
   return c

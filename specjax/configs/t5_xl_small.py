@@ -18,4 +18,6 @@ def get_config():
   c.draft = common.model("google/t5-v1_1-small", "bfloat16")
   c.rule = common.rule("exact")
   c.decode = common.decode(gamma=5, temperature=0.0)
+  c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
+  c.distributed = common.distributed()
   return c

@@ -18,6 +18,8 @@ def get_config():
   common.embedded_pair(c, "tiny")
   c.rule = common.rule("exact")
   c.decode = common.decode()
+  c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
+  c.distributed = common.distributed()
   c.data = common.stdlib_lm_data()
   c.prompts = list(common.STDLIB_PROMPTS)
   return c

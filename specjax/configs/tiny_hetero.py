@@ -22,6 +22,8 @@ def get_config():
   c.draft = common.model("builtin:tiny/draft_other_vocab", tokenizer="stdlib:unigram:8000")
   c.rule = common.rule("intersection")      # min_overlap: 0.05 by default
   c.decode = common.decode()
+  c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
+  c.distributed = common.distributed()
   c.data = common.stdlib_lm_data()
   c.prompts = list(common.STDLIB_PROMPTS)
   return c

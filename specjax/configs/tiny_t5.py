@@ -15,6 +15,8 @@ def get_config():
   common.embedded_pair(c, "tiny_t5")
   c.rule = common.rule("exact")
   c.decode = common.decode(max_new_tokens=32)
+  c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
+  c.distributed = common.distributed()
   c.data = ml_collections.ConfigDict(dict(task="stdlib_sum", tokenizer="stdlib:bpe:2000",
                                           max_prompt_len=96, max_target_len=32))
   c.prompts = ["def add(a, b):\n    return a + b\n"]

@@ -33,6 +33,8 @@ def parse_args(argv):
   p.add_argument("--gamma", default="", help="comma-separated gammas to sweep (default: config)")
   p.add_argument("--num_prompts", type=int, default=8)
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--probe_steps", type=int, default=32,
+                 help="model passes per c / v probe call (fewer for large models)")
   p.add_argument("--output_json")
   return cli.parse(p, argv)
 
@@ -73,14 +75,13 @@ def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = Tru
   return {**acc, **{name: statistics.median(t) for name, t in probe_s.items()}}
 
 
-def measure(dec: methods.Speculative, prompts, repeats: int, seed: int) -> dict:
+def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: int = 32) -> dict:
   encoded = dec.prepare(prompts[:1])
   probe, draft_probe = encoded.target, encoded.draft
   gamma = dec.settings.gamma
   cap = lambda model, p: (prompting.prefix_len(model, p) + dec.settings.max_new_tokens
                           + gamma)                          # the cache size decoding uses
   target, draft = dec.target, dec.draft
-  steps = 32   # passes per probe call
   probes = {"t1": timing.step_loop(target.model, target.params, probe, 1,
                                    cap(target.model, probe), steps),
             "tv": timing.step_loop(target.model, target.params, probe, gamma + 1,
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     records = []
     for g in gammas:
       records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
-                             builders.decode_settings(config).seed))
+                             builders.decode_settings(config).seed, args.probe_steps))
       print(table(records[-1:]) if len(records) == 1 else table(records[-1:]).splitlines()[-1],
             flush=True)
     if args.output_json:

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from specjax.models import Prompt, score  # noqa: E402
 from specjax import testing  # noqa: E402
-from specjax.models import decoder, hf_import  # noqa: E402
+from specjax.models import decoder, hf_import, layers  # noqa: E402
 
 VOCAB, N_POS = 64, 32
 PROMPTS = [[5, 9, 17, 3, 40], [33, 2], [7, 7, 12, 50, 61, 8, 1]]   # ragged on purpose
@@ -60,6 +60,17 @@ def hf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(hf):
   return hf_import.load_model(str(hf[1]))
+
+
+@pytest.fixture(scope="module")
+def unrolled(hf):
+  """The same checkpoint in the unstacked layout: layers_0, layers_1 run by a loop."""
+  return hf_import.load_model(str(hf[1]), scan_layers=False)
+
+
+@pytest.fixture(scope="module", params=["scan", "unrolled"])
+def each_layout(request, ours, unrolled):
+  return ours if request.param == "scan" else unrolled
 
 
 def _targets(seed: int, length: int) -> jnp.ndarray:
@@ -132,8 +143,8 @@ def test_params_from_hf_accepts_unprefixed_names_and_reports_missing(hf, ours):
     decoder.params_from_hf(model, bare)
 
 
-def test_extend_block_equals_single_steps(ours):
-  model, params = ours
+def test_extend_block_equals_single_steps(each_layout):
+  model, params = each_layout
   prompt, toks = Prompt.from_lists(PROMPTS), _targets(2, 3)
   _, _, cache = model.prefill(params, prompt, model.init_cache(3, 16))
   block_logits, block_hidden, block_cache = model.extend(params, toks, cache)  # [B, 3, V]
@@ -147,10 +158,50 @@ def test_extend_block_equals_single_steps(ours):
     np.testing.assert_allclose(step_cache.k[:, b, :, :n], block_cache.k[:, b, :, :n], atol=1e-5)
 
 
-def test_extend_select_and_entries(ours):
-  model, params = ours
+def test_extend_select_and_entries(each_layout):
+  model, params = each_layout
   _, _, cache = model.prefill(params, Prompt.from_lists(PROMPTS), model.init_cache(3, 16))
   testing.check_extend_variants(model, params, _targets(2, 3), cache, np.array([2, 0, 1]))
+
+
+def test_unstacked_layout_equals_stacked(ours, unrolled, tmp_path):
+  (model, params), (loop_model, loop_params) = ours, unrolled
+  assert not loop_model.config.scan_layers and "layers" not in loop_params
+  np.testing.assert_array_equal(loop_params["layers_1"]["mlp"]["wi"]["kernel"],
+                                params["layers"]["mlp"]["wi"]["kernel"][1])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, layers.stack(loop_params), params)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, layers.unstack(params), loop_params)
+  key = jax.random.PRNGKey(4)                     # init: the same values in either layout
+  jax.tree_util.tree_map(np.testing.assert_array_equal, loop_model.init_params(key),
+                         layers.unstack(model.init_params(key)))
+  prompt, targets = Prompt.from_lists(PROMPTS), _targets(1, 4)
+  logits, _ = score(model, params, prompt, targets)
+  loop_logits, _ = score(loop_model, loop_params, prompt, targets)
+  np.testing.assert_allclose(loop_logits, logits, atol=1e-6, rtol=0)
+  _, _, cache = model.prefill(params, prompt, model.init_cache(3, 16))       # the same cache
+  entries = model.extend_entries(params, targets, cache)[2]
+  loop_entries = loop_model.extend_entries(loop_params, targets, cache)[2]
+  assert loop_entries[0].shape == (2, 3, 4, 4, 8)                            # [L, B, T, H, Dh]
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), loop_entries,
+                         entries)
+  hf_import.save_model(loop_model, loop_params, str(tmp_path))   # exported as the stacked one
+  jax.tree_util.tree_map(np.testing.assert_array_equal, hf_import.load_model(str(tmp_path))[1],
+                         params)
+
+
+def test_layout_choice_of_the_app(hf, monkeypatch):
+  """`layers` of a model section: auto is unrolled on the CPU backend, scanned elsewhere."""
+  from specjax.app import builders, config, resolve
+  assert not layers.scan_layers("auto", backend="cpu") and layers.scan_layers("auto", backend="tpu")
+  assert layers.scan_layers("scan") and not layers.scan_layers("unrolled")
+  with pytest.raises(config.ConfigError, match="--config.target: layers='fast'"):
+    builders.model_spec({"target": {"checkpoint": str(hf[1]), "layers": "fast"}}, "target")
+  monkeypatch.setattr(resolve, "load_tokenizer", lambda spec, path: None)   # none saved here
+  on_cpu = jax.default_backend() == "cpu"
+  for layout, scan in (("auto", not on_cpu), ("scan", True), ("unrolled", False)):
+    spec = builders.model_spec({"target": {"checkpoint": str(hf[1]), "layers": layout}}, "target")
+    loaded = resolve.load(spec)
+    assert loaded.model.config.scan_layers is scan and ("layers" in loaded.params) is scan
 
 
 def _single_row(model, params, b: int, pieces: list[jnp.ndarray]):

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from specjax import sampling, testing  # noqa: E402
 from specjax.data import tokenizer  # noqa: E402
 from specjax.decoding import autoregressive  # noqa: E402
-from specjax.models import Prompt, hf_import, llama  # noqa: E402
+from specjax.models import Prompt, hf_import, layers, llama  # noqa: E402
 
 VOCAB, EOS = 96, 2
 PROMPTS = [[5, 9, 17, 3, 40, 61, 12, 8], [33, 2], [7, 7, 12, 50, 61]]   # ragged on purpose
@@ -83,6 +83,17 @@ def ours(hf):
   return hf_import.load_model(str(hf[2]))
 
 
+@pytest.fixture(scope="module")
+def unrolled(hf):
+  """The same checkpoint in the unstacked layout: layers_0, layers_1 run by a loop."""
+  return hf_import.load_model(str(hf[2]), scan_layers=False)
+
+
+@pytest.fixture(scope="module", params=["scan", "unrolled"])
+def each_layout(request, ours, unrolled):
+  return ours if request.param == "scan" else unrolled
+
+
 def _on(*names):
   return pytest.mark.parametrize("hf", names, indirect=True)
 
@@ -130,8 +141,8 @@ def test_mistral_reference_applies_its_window():
 
 
 @_on("mistral_window", "qwen3_qk_norm")
-def test_extend_block_equals_single_steps(ours):
-  model, params = ours
+def test_extend_block_equals_single_steps(each_layout):
+  model, params = each_layout
   prompt, toks = Prompt.from_lists(PROMPTS), _targets(2, 3)
   _, _, cache = model.prefill(params, prompt, model.init_cache(3, CACHE))
   block_logits, block_hidden, block_cache = model.extend(params, toks, cache)  # [B, 3, V]
@@ -143,6 +154,34 @@ def test_extend_block_equals_single_steps(ours):
   for b, n in enumerate(np.asarray(block_cache.lengths)):
     np.testing.assert_allclose(step_cache.k[:, b, :, :n], block_cache.k[:, b, :, :n], atol=1e-5)
   testing.check_extend_variants(model, params, toks, cache, np.array([2, 0, 1]))
+
+
+@_on("llama3_rope_bias_untied", "qwen3_qk_norm")
+def test_unstacked_layout_equals_stacked(ours, unrolled, tmp_path):
+  (model, params), (loop_model, loop_params) = ours, unrolled
+  assert not loop_model.config.scan_layers and "layers" not in loop_params
+  jax.tree_util.tree_map(np.testing.assert_array_equal, layers.unstack(params), loop_params)
+  key = jax.random.PRNGKey(4)                     # init: the same values in either layout
+  jax.tree_util.tree_map(np.testing.assert_array_equal, loop_model.init_params(key),
+                         layers.unstack(model.init_params(key)))
+  prompt, targets = Prompt.from_lists(PROMPTS), _targets(1, 4)
+  first, _, cache = model.prefill(params, prompt, model.init_cache(3, CACHE))
+  loop_first, _, loop_cache = loop_model.prefill(loop_params, prompt, model.init_cache(3, CACHE))
+  np.testing.assert_allclose(loop_first, first, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(loop_cache.k, cache.k, atol=1e-6, rtol=0)
+  logits, _, (k, v) = model.extend_entries(params, targets, cache)
+  loop_logits, _, (loop_k, loop_v) = loop_model.extend_entries(loop_params, targets, cache)
+  # Not bit-equal: XLA fuses a scan body and straight-line layers differently (layer 0's keys are
+  # equal, later ones an ulp off), so 1e-6 of the logits' scale.
+  scale = float(np.abs(logits).max())
+  np.testing.assert_allclose(loop_logits, logits, atol=1e-6 * max(scale, 1.0), rtol=0)
+  assert loop_k.shape == k.shape == (2, 3, 4, 2, model.config.head_dim)      # [L,B,T,Hkv,Dh]
+  np.testing.assert_allclose(loop_k, k, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(loop_v, v, atol=1e-6, rtol=0)
+  hf_import.save_model(loop_model, loop_params, str(tmp_path))   # exported as the stacked one
+  reloaded, reloaded_params = hf_import.load_model(str(tmp_path))
+  assert reloaded == model
+  jax.tree_util.tree_map(np.testing.assert_array_equal, reloaded_params, params)
 
 
 @_on("llama3_rope_bias_untied", "qwen2_bias_tied")

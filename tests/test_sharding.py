@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from specjax import sharding, testing
+from specjax.models import layers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,6 +58,20 @@ def test_adafactor_state_shardings_follow_params():
   assert len(leaves) == len(jax.tree_util.tree_leaves(state))
   with_model = [s for s in leaves if "model" in tuple(s.spec)]
   assert with_model                       # factored moments of the mlp / heads kernels are sharded
+
+
+def test_rules_table_on_unstacked_layers():
+  """layers_i leaves (no [L] axis) get the stacked leaf's axes without the leading 'layers'."""
+  _, params = testing.tiny_decoder(vocab_size=48, d_model=32, num_layers=4, num_heads=4, d_ff=64)
+  stacked = sharding.logical_axes(params)["layers"]
+  unstacked = sharding.logical_axes(layers.unstack(params))
+  assert unstacked["layers_3"]["attention"]["query"]["kernel"] == ("embed", "heads")
+  axes = lambda tree: jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
+  for i in range(4):
+    assert axes(stacked) == [("layers",) + leaf for leaf in axes(unstacked[f"layers_{i}"])]
+  fake = type("M", (), {"shape": {"data": 1, "model": 2}})()
+  wi = unstacked["layers_3"]["mlp"]["wi"]["kernel"]
+  assert sharding.spec_for(wi, (32, 64), fake) == P(None, "model")
 
 
 def test_mesh_errors():

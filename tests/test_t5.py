@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specjax import testing
-from specjax.models import Prompt, hf_import, kv_cache, score, t5
+from specjax.models import Prompt, hf_import, kv_cache, layers, score, t5
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -175,6 +175,17 @@ def gated(checkpoints):
   return hf_import.load_model(str(checkpoints["gated_untied"][1]))
 
 
+@pytest.fixture(scope="module")
+def gated_unrolled(checkpoints):
+  """The same checkpoint in the unstacked layout: {encoder,decoder}/layers_i run by a loop."""
+  return hf_import.load_model(str(checkpoints["gated_untied"][1]), scan_layers=False)
+
+
+@pytest.fixture(scope="module", params=["scan", "unrolled"])
+def each_layout(request, gated, gated_unrolled):
+  return gated if request.param == "scan" else gated_unrolled
+
+
 def _steps(model, params, tokens, cache):
   """One extend call per token: [B,T,V] logits."""
   out = []
@@ -184,8 +195,8 @@ def _steps(model, params, tokens, cache):
   return np.stack(out, axis=1), cache
 
 
-def test_extend_block_equals_single_steps(gated):
-  model, params = gated
+def test_extend_block_equals_single_steps(each_layout):
+  model, params = each_layout
   tokens = jnp.asarray(np.random.RandomState(3).randint(2, 64, size=(3, 4)))
   _, _, cache = model.prefill(params, Prompt.from_lists(ROWS), model.init_cache(3, 8, 6))
   assert np.asarray(cache.lengths).tolist() == [1, 1, 1]
@@ -197,11 +208,42 @@ def test_extend_block_equals_single_steps(gated):
   assert block_hidden.shape == (3, 4, 32)
 
 
-def test_extend_select_and_entries(gated):
-  model, params = gated
+def test_extend_select_and_entries(each_layout):
+  model, params = each_layout
   tokens = jnp.asarray(np.random.RandomState(4).randint(2, 64, size=(3, 4)))
   _, _, cache = model.prefill(params, Prompt.from_lists(ROWS), model.init_cache(3, 8, 6))
   testing.check_extend_variants(model, params, tokens, cache, np.array([3, 0, 1]))
+
+
+def test_unstacked_layout_equals_stacked(gated, gated_unrolled, tmp_path):
+  (model, params), (loop_model, loop_params) = gated, gated_unrolled
+  assert not loop_model.config.scan_layers
+  assert sorted(loop_params["encoder"]) == ["final_norm", "layers_0", "layers_1", "relpos_bias"]
+  assert "layers_2" in loop_params["decoder"] and "layers" not in loop_params["decoder"]
+  np.testing.assert_array_equal(loop_params["decoder"]["layers_2"]["cross_attn"]["key"]["kernel"],
+                                params["decoder"]["layers"]["cross_attn"]["key"]["kernel"][2])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, layers.stack(loop_params), params)
+  key = jax.random.key(4)                         # init: the same values in either layout
+  jax.tree_util.tree_map(np.testing.assert_array_equal, loop_model.init_params(key),
+                         layers.unstack(model.init_params(key)))
+  tokens = jnp.asarray(np.random.RandomState(5).randint(2, 64, size=(3, 4)))
+  first, _, cache = model.prefill(params, Prompt.from_lists(ROWS), model.init_cache(3, 8, 6))
+  loop_first, _, loop_cache = loop_model.prefill(loop_params, Prompt.from_lists(ROWS),
+                                                 model.init_cache(3, 8, 6))
+  # Not bit-equal: XLA fuses a scan body and straight-line layers differently (an ulp here and
+  # there), so 1e-6 of the logits' scale.
+  scale = max(float(np.abs(first).max()), 1.0)
+  np.testing.assert_allclose(loop_first, first, atol=1e-6 * scale, rtol=0)
+  np.testing.assert_allclose(loop_cache.cross_k, cache.cross_k, atol=1e-6, rtol=0)
+  logits, _, (k, v) = model.extend_entries(params, tokens, cache)
+  loop_logits, _, (loop_k, loop_v) = loop_model.extend_entries(loop_params, tokens, cache)
+  np.testing.assert_allclose(loop_logits, logits, atol=1e-6 * scale, rtol=0)
+  assert loop_k.shape == k.shape == (3, 3, 4, 4, 12)                          # [L,B,T,H,Dh]
+  np.testing.assert_allclose(loop_k, k, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(loop_v, v, atol=1e-6, rtol=0)
+  hf_import.save_model(loop_model, loop_params, str(tmp_path))   # exported as the stacked one
+  jax.tree_util.tree_map(np.testing.assert_array_equal, hf_import.load_model(str(tmp_path))[1],
+                         params)
 
 
 def test_rollback_and_ragged_rows_equal_single_row_runs(gated):

@@ -22,6 +22,7 @@ from specjax.app.config import ConfigError
 from specjax.distill import data as distill_data
 from specjax.distill.trainer import TrainConfig
 from specjax.models import decoder, t5
+from specjax.models import layers as model_layers
 from specjax.sampling import Warp
 
 
@@ -155,7 +156,10 @@ class ModelSpec:
 
   checkpoint: a local Hugging Face directory, a hub id in the local HF cache, or builtin:PAIR/ROLE;
   without one, `arch` and its fields (`fields`) describe a model trained from scratch.
-  init_from: a specjax training workdir whose exported params replace the initial ones."""
+  init_from: a specjax training workdir whose exported params replace the initial ones.
+  layers: a checkpoint's layer layout (models/layers.py): "scan" (stacked, nn.scan: compile time
+  independent of depth), "unrolled" (a loop over per-layer arrays: XLA:CPU decodes faster) or
+  "auto": unrolled on the CPU backend, scanned elsewhere."""
   role: str
   checkpoint: str = ""
   dtype: str = "float32"
@@ -164,6 +168,11 @@ class ModelSpec:
   arch: str = ""                 # decoder | t5 (models built from fields)
   preset: str = ""               # decoder presets: target / draft (DistillSpec LM1B sizes)
   fields: tuple = ()             # (name, value) architecture fields
+  layers: str = "auto"           # auto | scan | unrolled
+
+  def __post_init__(self):
+    if self.layers not in model_layers.LAYOUTS:
+      raise ValueError(f"layers={self.layers!r}: use one of {', '.join(model_layers.LAYOUTS)}")
 
 
 ARCHS = {"decoder": (decoder.DecoderConfig, decoder.Decoder), "t5": (t5.T5Config, t5.T5)}

@@ -12,7 +12,7 @@ import jax
 
 from specjax.app import builders, fetch, gguf_cache, zoo
 from specjax.data.tokenizer import get_tokenizer
-from specjax.models import gguf_import, hf_import
+from specjax.models import gguf_import, hf_import, layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +39,11 @@ def checkpoint_dir(spec: builders.ModelSpec) -> Path:
 
 
 def load(spec: builders.ModelSpec) -> LoadedModel:
-  """Weights (then `init_from`, if set) and tokenizer of a section with a checkpoint."""
+  """Weights in the section's layer layout (`layers`; `init_from` then loads params of that
+  layout, if set) and tokenizer of a section with a checkpoint."""
   path = checkpoint_dir(spec)
-  model, params = hf_import.load_model(str(path), spec.dtype, f"--config.{spec.role}.checkpoint")
+  model, params = hf_import.load_model(str(path), spec.dtype, f"--config.{spec.role}.checkpoint",
+                                       scan_layers=layers.scan_layers(spec.layers))
   params = builders.with_init_from(spec, params)
   return LoadedModel(model=model, params=jax.device_put(params),
                      tokenizer=load_tokenizer(spec, path), path=path)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import ModelBase, Prompt
-from specjax.models import attention, hf_tensors
+from specjax.models import attention, hf_tensors, layers
 from specjax.models import kv_cache as kvc
 
 Params = Any
@@ -62,6 +62,10 @@ class DecoderConfig:
   # Of every matmul. "highest": float32 stays float32 where the backend would round it (TF32 on
   # NVIDIA GPUs, ~1e-3); "default" is the faster choice for bfloat16 weights. Not an HF field.
   precision: str = "highest"
+  # Per-layer params stacked [L, ...] under `layers` and run by nn.scan (compile time independent
+  # of depth), or layers_0 ... run by a Python loop (XLA:CPU decodes faster): models/layers.py.
+  # Not an HF field.
+  scan_layers: bool = True
 
   def __post_init__(self):
     if self.precision not in _PRECISIONS:
@@ -158,7 +162,8 @@ class _Mlp(nn.Module):
 
 
 class _Block(nn.Module):
-  """One layer; `_Blocks` scans it over the stacked params and the cache's layer axis."""
+  """One layer; `_Blocks` scans it over the stacked params and the cache's layer axis, or the
+  unstacked layout calls each layers_i in turn (layers.run)."""
   cfg: DecoderConfig
 
   @nn.compact
@@ -176,8 +181,9 @@ class _Block(nn.Module):
 
 # One compiled layer whatever the depth: params get a leading [L] axis, the cache is read layer by
 # layer as a scanned input, and the block's new entries come out stacked [L, B, T, H, Dh].
+_IN_AXES = (0, nn.broadcast)      # (this layer's cache slice, the mask shared by every layer)
 _Blocks = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                  in_axes=(0, nn.broadcast))
+                  in_axes=_IN_AXES)
 
 
 class _Transformer(nn.Module):
@@ -203,7 +209,11 @@ class _Transformer(nn.Module):
          + jnp.take(wpe, pos, axis=0, mode="clip")).astype(dt)                  # [B, T, D]
     mask = (jnp.arange(k.shape[3])[None, None, :] < lengths[:, None, None],     # [B, 1, S]
             jnp.tril(jnp.ones((num_new, num_new), bool)))                      # [T, T]
-    x, (new_k, new_v) = _Blocks(cfg, name="layers")(x, (k, v), mask)           # [L, B, T, H, Dh]
+    if cfg.scan_layers:
+      blocks = _Blocks(cfg, name=layers.STACKED)
+    else:
+      blocks = [_Block(cfg, name=layers.layer_name(i)) for i in range(cfg.num_layers)]
+    x, (new_k, new_v) = layers.run(blocks, _IN_AXES, x, (k, v), mask)        # [L, B, T, H, Dh]
     hidden = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt,
                           name="ln_f")(x)                                      # [B, T, D]
     if select is not None:
@@ -238,11 +248,13 @@ class Decoder(ModelBase):
     """Plain nested dict: token_embed/embedding [V,D], pos_embed/position_embedding [N,D],
     ln_f/{scale,bias} [D], lm_head/kernel [D,V] if untied, and the layers stacked [L, ...]:
     layers/{ln_1,ln_2}/{scale,bias}, layers/attention/{query,key,value,out}/{kernel,bias},
-    layers/mlp/{wi,wo}/{kernel,bias}."""
+    layers/mlp/{wi,wo}/{kernel,bias} (with scan_layers=False: layers_0 ... without [L], the
+    same values)."""
     cache = self.init_cache(1, 1)
     tokens = jnp.zeros((1, 1), jnp.int32)
-    variables = self.module.init(rng, tokens, cache.k, cache.v, cache.lengths)
-    return flax.core.unfreeze(variables["params"])
+    stacked = layers.with_scan(self).module
+    variables = stacked.init(rng, tokens, cache.k, cache.v, cache.lengths)
+    return layers.to_layout(flax.core.unfreeze(variables["params"]), self.config.scan_layers)
 
   def init_cache(self, batch: int, max_len: int, enc_len: int = 0) -> kvc.KVCache:
     cfg = self.config
@@ -342,14 +354,14 @@ def _get(tree: dict, path: tuple[str, ...]):
 def _hf_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
   """HF GPT-2 tensor name (without `transformer.`) -> the shape the config implies."""
   cfg = model.config
-  ours = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
-  layers = ours["layers"]
+  ours = jax.eval_shape(layers.with_scan(model).init_params, jax.random.PRNGKey(0))
+  stacked = ours[layers.STACKED]
   shapes = {name: _get(ours, path).shape for path, name in _HF_TOP.items()}
   for i in range(cfg.num_layers):
-    shapes.update({f"h.{i}.{name}": _get(layers, path).shape[1:]
+    shapes.update({f"h.{i}.{name}": _get(stacked, path).shape[1:]
                    for path, name in _HF_LAYER.items()})
     for leaf, name in _C_ATTN.items():
-      third = layers["attention"]["query"][leaf].shape[1:]
+      third = stacked["attention"]["query"][leaf].shape[1:]
       shapes[f"h.{i}.{name}"] = third[:-1] + (3 * third[-1],)
   if not cfg.tie_word_embeddings:
     shapes["lm_head.weight"] = ours["lm_head"]["kernel"].shape[::-1]
@@ -358,8 +370,9 @@ def _hf_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
 
 def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
   """HF GPT-2 tensors (a lazy mapping: each lookup reads one tensor) -> params on the device in
-  the model dtype. Names, shapes and dtypes are checked before any data is read. Conv1D weights
-  are already [in, out]; c_attn [D,3D] splits into query/key/value. Names with or without the
+  the model dtype, in the model's layer layout (built stacked, then split if scan_layers=False).
+  Names, shapes and dtypes are checked before any data is read. Conv1D weights are already
+  [in, out]; c_attn [D,3D] splits into query/key/value. Names with or without the
   `transformer.` prefix are accepted."""
   cfg = model.config
   keys = {k.removeprefix("transformer."): k for k in tensors if not k.endswith(_HF_BUFFERS)}
@@ -383,19 +396,21 @@ def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
   if not cfg.tie_word_embeddings:
     head = read("lm_head.weight").T                                         # [V, D] -> [D, V]
     params["lm_head"] = {"kernel": hf_tensors.to_device(head, dt)}
-  return params
+  return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
 
 
 def params_to_hf(model: Decoder, params: Params) -> dict[str, np.ndarray]:
-  """params -> the tensors GPT2LMHeadModel.save_pretrained writes (with `transformer.` prefix)."""
+  """params (either layer layout) -> the tensors GPT2LMHeadModel.save_pretrained writes (with
+  `transformer.` prefix)."""
   cfg = model.config
+  params = layers.stack(params)
   as_np = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
   out = {f"transformer.{name}": as_np(_get(params, path)) for path, name in _HF_TOP.items()}
-  layers = jax.tree_util.tree_map(as_np, params["layers"])                    # [L, ...] leaves
-  attn = layers["attention"]
+  stacked = jax.tree_util.tree_map(as_np, params[layers.STACKED])            # [L, ...] leaves
+  attn = stacked["attention"]
   for i in range(cfg.num_layers):
     for path, name in _HF_LAYER.items():
-      out[f"transformer.h.{i}.{name}"] = _get(layers, path)[i]
+      out[f"transformer.h.{i}.{name}"] = _get(stacked, path)[i]
     for leaf, name in _C_ATTN.items():
       out[f"transformer.h.{i}.{name}"] = np.concatenate([attn[p][leaf][i] for p in _QKV], -1)
   if not cfg.tie_word_embeddings:

@@ -81,10 +81,13 @@ def read_tensors(path: Path) -> LazyTensors:
 
 
 def load_model(name_or_dir: str, dtype: str = "float32",
-               override_flag: str = "--config.target.checkpoint", precision: str | None = None):
+               override_flag: str = "--config.target.checkpoint", precision: str | None = None,
+               scan_layers: bool | None = None):
   """Returns (model, params) for a local HF checkpoint directory or a cached hub id, the params
   read tensor by tensor straight into `dtype` on the default device. precision: the model's
   matmul precision (None: its config's default, "highest"; config.json does not carry it).
+  scan_layers: the layer layout (models/layers.py; None: the default, stacked under nn.scan;
+  False: layers_0 ... run by a loop, split from the stack as it is loaded).
   Raises ValueError for an unsupported model_type, dtype or precision, or tensors that do not
   match config.json (before any data is read), CorruptCheckpointError for a damaged file."""
   path = resolve_checkpoint(name_or_dir, override_flag)
@@ -96,9 +99,10 @@ def load_model(name_or_dir: str, dtype: str = "float32",
                      f"{sorted(registry)}.")
   mod = registry[model_type]
   model = mod.model_from_hf_config(hf_config, dtype)
-  if precision is not None:
-    model = dataclasses.replace(model, config=dataclasses.replace(model.config,
-                                                                  precision=precision))
+  settings = {k: v for k, v in dict(precision=precision, scan_layers=scan_layers).items()
+              if v is not None}      # specjax settings that config.json does not carry
+  if settings:
+    model = dataclasses.replace(model, config=dataclasses.replace(model.config, **settings))
   params = mod.params_from_hf(model, read_tensors(path))
   return model, params
 

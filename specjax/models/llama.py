@@ -14,7 +14,9 @@ cache holds the Hkv key/value heads only ([L, B, Hkv, S, Dh], keys already rotat
 heads are grouped onto them inside attention.attend.
 
 The layers are stacked ([L] leading axis on every per-layer param) and run under `nn.scan`, so
-compile time does not grow with depth. Params are a plain nested dict:
+compile time does not grow with depth; with `scan_layers=False` they are layers_0 ... (the same
+leaves without [L]) run by a Python loop, faster on XLA:CPU (models/layers.py). Params are a plain
+nested dict:
   token_embed/embedding [V,D]; final_norm/scale [D]; lm_head/kernel [D,V] (only when untied);
   layers/attention/{query [D,H*Dh], key, value [D,Hkv*Dh], out [H*Dh,D]}/{kernel, bias?} [L,...];
   layers/attention/{q_norm,k_norm}/scale [L,Dh] (qwen3); layers/{attention_norm,mlp_norm}/scale
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import ModelBase, Prompt
-from specjax.models import attention
+from specjax.models import attention, layers
 from specjax.models import kv_cache as kvc
 
 Params = Any
@@ -109,6 +111,7 @@ class LlamaConfig:
   model_type: str = "llama"              # the HF family, for export
   dtype: str = "float32"                 # params and activations; logits are always float32
   precision: str = "highest"             # of every matmul: float32 stays float32 on TF32 GPUs
+  scan_layers: bool = True               # stacked + nn.scan, or layers_i + a loop: models/layers.py
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
@@ -230,7 +233,8 @@ class _Mlp(nn.Module):
 
 
 class _Layer(nn.Module):
-  """One block; `nn.scan` runs it over the stacked params and this layer's slice of the cache."""
+  """One block; `nn.scan` runs it over the stacked params and this layer's slice of the cache (or
+  the unstacked layout calls each layers_i in turn, layers.run)."""
   cfg: LlamaConfig
 
   @nn.compact
@@ -247,8 +251,9 @@ class _Layer(nn.Module):
     return x, (k, v)
 
 
+_IN_AXES = (0, nn.broadcast)      # (this layer's cache slice, the context shared by every layer)
 _Layers = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                  in_axes=(0, nn.broadcast))
+                  in_axes=_IN_AXES)
 
 
 class _Transformer(nn.Module):
@@ -269,7 +274,11 @@ class _Transformer(nn.Module):
     positions = kvc.positions(lengths, tokens.shape[1])                        # [B, T]
     context = (_rotary(cfg.rope.inv_freq(cfg.head_dim), positions, dt),
                _masks(cfg, positions, lengths, k.shape[3]))
-    x, (new_k, new_v) = _Layers(cfg, name="layers")(x, (k, v), context)       # k, v [L,B,T,Hkv,Dh]
+    if cfg.scan_layers:
+      blocks = _Layers(cfg, name=layers.STACKED)
+    else:
+      blocks = [_Layer(cfg, name=layers.layer_name(i)) for i in range(cfg.num_layers)]
+    x, (new_k, new_v) = layers.run(blocks, _IN_AXES, x, (k, v), context)     # k, v [L,B,T,Hkv,Dh]
     hidden = _RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="final_norm")(x)       # [B, T, D]
     if select is not None:
       hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
@@ -299,11 +308,12 @@ class Llama(ModelBase):
 
   @functools.partial(jax.jit, static_argnums=0)
   def init_params(self, rng: jax.Array) -> Params:
-    """Plain nested dict laid out as in the module docstring (per-layer leaves [L, ...])."""
+    """Plain nested dict laid out as in the module docstring (per-layer leaves [L, ...]; with
+    scan_layers=False layers_0 ... without [L], the same values)."""
     cache = self.init_cache(1, 1)
     tokens = jnp.zeros((1, 1), jnp.int32)
-    variables = self.module.init(rng, tokens, cache.k, cache.v, cache.lengths)
-    return flax.core.unfreeze(variables["params"])
+    variables = layers.with_scan(self).module.init(rng, tokens, cache.k, cache.v, cache.lengths)
+    return layers.to_layout(flax.core.unfreeze(variables["params"]), self.config.scan_layers)
 
   def init_cache(self, batch: int, max_len: int, enc_len: int = 0) -> kvc.KVCache:
     """Buffers [L, B, Hkv, S, Dh]: only the key/value heads are cached."""
@@ -485,9 +495,10 @@ def _read(tensors: Mapping[str, np.ndarray], name: str, path: tuple[str, ...],
 def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
   """HF tensors -> params. `tensors` may be lazy (each lookup reads a file): every tensor is
   read once and cast to the model dtype on its own, per-layer ones straight into their [L, ...]
-  stack, so no float32 copy of the whole model is built. Extra tensors are ignored."""
+  stack, so no float32 copy of the whole model is built (then split per layer if the model has
+  scan_layers=False). Extra tensors are ignored."""
   cfg = model.config
-  shapes = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
+  shapes = jax.eval_shape(layers.with_scan(model).init_params, jax.random.PRNGKey(0))
   dtype = model.dtype
   params: dict = {}
   for name, path in _hf_names(model).items():
@@ -499,12 +510,13 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
     for i in range(cfg.num_layers):
       stacked[i] = _read(tensors, name.format(i=i), path, shape[1:], dtype)
     _set(params, path, jnp.asarray(stacked))
-  return params
+  return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
 
 
 def params_to_hf(model: Llama, params: Params) -> dict[str, np.ndarray]:
-  """params -> the tensors LlamaForCausalLM (etc.).save_pretrained writes, in the param dtype;
-  the exact inverse of params_from_hf."""
+  """params (either layer layout) -> the tensors LlamaForCausalLM (etc.).save_pretrained writes,
+  in the param dtype; the exact inverse of params_from_hf."""
+  params = layers.stack(params)
   out = {}
   for name, path in _hf_names(model).items():
     value = np.asarray(_get(params, path))
@@ -536,7 +548,8 @@ def hf_config(model: Llama) -> dict:
               "qwen2": {"use_sliding_window": False},
               "qwen3": {"attention_bias": cfg.qkv_bias, "use_sliding_window": False},
               }[cfg.model_type])
-  if model_from_hf_config(out, cfg.dtype) != model:
+  rebuilt = model_from_hf_config(out, cfg.dtype).config    # without the specjax-only settings
+  if dataclasses.replace(rebuilt, precision=cfg.precision, scan_layers=cfg.scan_layers) != cfg:
     raise ValueError(f"this LlamaConfig cannot be written as HF model_type '{cfg.model_type}' "
                      f"(its biases / qk_norm / sliding window differ from that family's): {cfg}")
   return out

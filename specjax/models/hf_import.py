@@ -26,7 +26,11 @@ from specjax.models.hf_tensors import CorruptCheckpointError, LazyTensors
 
 
 class CheckpointNotFoundError(FileNotFoundError):
-  """A checkpoint directory or hub id that cannot be resolved offline."""
+  """A checkpoint directory or hub id that cannot be resolved offline; carries the `name`."""
+
+  def __init__(self, message: str, name: str = ""):
+    super().__init__(message)
+    self.name = name
 
 
 def _registry():
@@ -34,16 +38,16 @@ def _registry():
   return {mt: mod for mod in (t5, decoder, llama) for mt in mod.MODEL_TYPES}
 
 
-def resolve_checkpoint(name_or_dir: str, override_flag: str = "--config.target.checkpoint") -> Path:
+def resolve_checkpoint(name_or_dir: str) -> Path:
   """A local directory as is; a hub id through the local Hugging Face cache; else a clear error."""
   path = Path(os.path.expanduser(str(name_or_dir)))
   if path.is_dir():
     missing = [f for f in ("config.json",) if not (path / f).exists()]
     if not missing and _weight_files(path):
       return path
-    raise CheckpointNotFoundError(
-        f"checkpoint directory {path} is incomplete: missing "
-        f"{', '.join(missing + ([] if _weight_files(path) else ['model.safetensors (or model.safetensors.index.json)']))}.")
+    weights = [] if _weight_files(path) else ["model.safetensors (or model.safetensors.index.json)"]
+    raise CheckpointNotFoundError(f"checkpoint directory {path} is incomplete: missing "
+                                  f"{', '.join(missing + weights)}.", str(name_or_dir))
   try:
     from huggingface_hub import snapshot_download
     snap = Path(snapshot_download(str(name_or_dir), local_files_only=True))
@@ -55,7 +59,8 @@ def resolve_checkpoint(name_or_dir: str, override_flag: str = "--config.target.c
       f"checkpoint '{name_or_dir}' is not a local directory and is not in the local Hugging Face "
       f"cache (needed: config.json, model.safetensors or model.safetensors.index.json + shards, "
       f"and the tokenizer files). Download it on a machine with network access "
-      f"(huggingface-cli download {name_or_dir} --local-dir DIR), then pass {override_flag}=DIR.")
+      f"(huggingface-cli download {name_or_dir} --local-dir DIR) and load it from DIR.",
+      str(name_or_dir))
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -80,8 +85,7 @@ def read_tensors(path: Path) -> LazyTensors:
   return LazyTensors(files)
 
 
-def load_model(name_or_dir: str, dtype: str = "float32",
-               override_flag: str = "--config.target.checkpoint", precision: str | None = None,
+def load_model(name_or_dir: str, dtype: str = "float32", precision: str | None = None,
                scan_layers: bool | None = None):
   """Returns (model, params) for a local HF checkpoint directory or a cached hub id, the params
   read tensor by tensor straight into `dtype` on the default device. precision: the model's
@@ -90,7 +94,7 @@ def load_model(name_or_dir: str, dtype: str = "float32",
   False: layers_0 ... run by a loop, split from the stack as it is loaded).
   Raises ValueError for an unsupported model_type, dtype or precision, or tensors that do not
   match config.json (before any data is read), CorruptCheckpointError for a damaged file."""
-  path = resolve_checkpoint(name_or_dir, override_flag)
+  path = resolve_checkpoint(name_or_dir)
   hf_config = json.loads((path / "config.json").read_text())
   model_type = hf_config.get("model_type")
   registry = _registry()
@@ -107,9 +111,9 @@ def load_model(name_or_dir: str, dtype: str = "float32",
   return model, params
 
 
-def load_tokenizer(name_or_dir: str, override_flag: str = "--config.target.checkpoint"):
+def load_tokenizer(name_or_dir: str):
   from transformers import AutoTokenizer
-  path = resolve_checkpoint(name_or_dir, override_flag)
+  path = resolve_checkpoint(name_or_dir)
   return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 

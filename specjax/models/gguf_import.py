@@ -348,8 +348,9 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
       max_position_embeddings=int(ckpt.get("context_length", 4096)),
       tie_word_embeddings="output.weight" not in ckpt.tensors, hidden_act="silu",
       **_special_ids(ckpt.metadata))
-  if arch == "llama":
+  if arch == "llama":    # biases are visible only as tensors
     config["attention_bias"] = "blk.0.attn_q.bias" in ckpt.tensors
+    config["mlp_bias"] = "blk.0.ffn_up.bias" in ckpt.tensors
   return config
 
 

@@ -439,5 +439,6 @@ def test_two_processes_decode_cli_reports_once(checkpoints):
                        for i in range(2)] + [decode_command(ck, "one_mh")], devices=2)
   assert all(p.returncode == 0 for p in procs), [p.stderr[-2000:] for p in procs]
   assert tokens_of(ck, "mh0") == tokens_of(ck, "one_mh")
-  assert not (ck["root"] / "mh1.json").exists() and procs[1].stdout == ""
-  assert "stats:" in procs[0].stdout
+  assert not (ck["root"] / "mh1.json").exists()
+  ours = lambda out: [l for l in out.splitlines() if not l.startswith("[Gloo]")]   # gloo's own
+  assert ours(procs[1].stdout) == [] and "stats:" in procs[0].stdout

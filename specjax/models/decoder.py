@@ -18,15 +18,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import ModelBase, Prompt
 from specjax.models import attention, hf_tensors, layers
 from specjax.models import kv_cache as kvc
+from specjax.models.decoder_only import DecoderOnly
 
 Params = Any
 
@@ -234,7 +233,7 @@ class _Transformer(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class Decoder(ModelBase):
+class Decoder(DecoderOnly):
   """Frozen, hashable wrapper (a static jit argument) exposing the model contract."""
   config: DecoderConfig
   is_encoder_decoder: bool = dataclasses.field(default=False, init=False)
@@ -242,19 +241,6 @@ class Decoder(ModelBase):
   @property
   def module(self) -> _Transformer:
     return _Transformer(self.config)
-
-  @functools.partial(jax.jit, static_argnums=0)
-  def init_params(self, rng: jax.Array) -> Params:
-    """Plain nested dict: token_embed/embedding [V,D], pos_embed/position_embedding [N,D],
-    ln_f/{scale,bias} [D], lm_head/kernel [D,V] if untied, and the layers stacked [L, ...]:
-    layers/{ln_1,ln_2}/{scale,bias}, layers/attention/{query,key,value,out}/{kernel,bias},
-    layers/mlp/{wi,wo}/{kernel,bias} (with scan_layers=False: layers_0 ... without [L], the
-    same values)."""
-    cache = self.init_cache(1, 1)
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    stacked = layers.with_scan(self).module
-    variables = stacked.init(rng, tokens, cache.k, cache.v, cache.lengths)
-    return layers.to_layout(flax.core.unfreeze(variables["params"]), self.config.scan_layers)
 
   def init_cache(self, batch: int, max_len: int, enc_len: int = 0) -> kvc.KVCache:
     cfg = self.config
@@ -266,31 +252,6 @@ class Decoder(ModelBase):
     del enc_len  # decoder-only: no encoder
     return kvc.init_cache(layers=cfg.num_layers, batch=batch, max_len=max_len,
                           heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=self.dtype)
-
-  @functools.partial(jax.jit, static_argnums=0)
-  def prefill(self, params: Params, prompt: Prompt, cache: kvc.KVCache):
-    """Writes all P prompt entries of every row (pads included: they sit past lengths[b] and are
-    masked, then overwritten), sets cache.lengths = prompt.lengths and returns
-    (logits[B,V] f32, hidden[B,D]) at position lengths[b]-1."""
-    kvc.check_capacity(prompt.tokens.shape[1], cache.capacity, "prompt")
-    cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
-    hidden, logits, k, v = self.module.apply({"params": params}, prompt.tokens, cache.k, cache.v,
-                                             cache.lengths, select=prompt.lengths - 1)
-    cache = kvc.append(cache, k, v).replace(lengths=prompt.lengths.astype(jnp.int32))
-    return logits, hidden, cache
-
-  @functools.partial(jax.jit, static_argnums=0)
-  def extend_entries(self, params: Params, tokens: jax.Array, cache: kvc.KVCache,
-                     select: jax.Array | None = None):
-    """tokens [B,T] at positions lengths[b]+t -> (logits[B,T,V] f32, hidden[B,T,D], (k, v)
-    [L,B,T,H,Dh]); the cache is read, not written. select [B]: logits and hidden of position
-    select[b] only ([B,1,V], [B,1,D]). Capacity (lengths + T <= S) is the caller's check."""
-    kvc.check_capacity(tokens.shape[1], cache.capacity, "extend block")
-    hidden, logits, k, v = self.module.apply({"params": params}, tokens, cache.k, cache.v,
-                                             cache.lengths, select=select)
-    if select is not None:
-      hidden, logits = hidden[:, None], logits[:, None]
-    return logits, hidden, (k, v)
 
 
 # ---------------------------------------------------------------------------------------------

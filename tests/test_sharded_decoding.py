@@ -64,16 +64,27 @@ def test_cache_rules_of_grouped_query_attention_and_t5():
   assert specs.enc_mask == P("data", None)
 
 
-def test_kv_head_units_keep_heads_whole():
-  mesh = fake_mesh(1, 4)
-  units = {"heads": 8, "kv_heads": 2}
-  key_kernel = sharding.leaf_axes(("layers", "attention", "key", "kernel"), 3)
-  assert key_kernel == ("layers", "embed", "kv_heads")
+def test_attention_splits_by_whole_kv_head_groups():
+  """Llama with 8 query heads on 2 KV heads: attention splits over a model axis of 2 (one KV head
+  and its 4 query heads per device) and stays whole over 4; the mlp splits either way."""
+  gqa = llama.Llama(llama.LlamaConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=8,
+                                      num_kv_heads=2, head_dim=4, d_ff=64))
+  units = sharded.model_units(gqa)
+  assert units == {"heads": 2, "kv_heads": 2}
+  key = sharding.leaf_axes(("layers", "attention", "key", "kernel"), 3)
+  assert key == ("layers", "embed", "kv_heads")
   assert sharding.leaf_axes(("layers", "attention", "value", "bias"), 2) == ("layers", "kv_heads")
-  assert sharding.spec_for(key_kernel, (2, 32, 8), mesh) == P(None, None, "model")   # 8 columns
-  assert sharding.spec_for(key_kernel, (2, 32, 8), mesh, units) == P(None, None, None)
   query = sharding.leaf_axes(("layers", "attention", "query", "kernel"), 3)
-  assert sharding.spec_for(query, (2, 32, 32), mesh, units) == P(None, None, "model")
+  gate = sharding.leaf_axes(("layers", "mlp", "wi_0", "kernel"), 3)
+  for model_axis, split in ((2, "model"), (4, None)):
+    mesh = fake_mesh(1, model_axis)
+    assert sharding.spec_for(query, (2, 32, 32), mesh, units) == P(None, None, split)
+    assert sharding.spec_for(key, (2, 32, 8), mesh, units) == P(None, None, split)
+    assert sharding.spec_for(gate, (2, 32, 64), mesh, units) == P(None, None, "model")
+  # Without units a [D, Hkv*Dh] kernel would be cut inside a head.
+  assert sharding.spec_for(key, (2, 32, 8), fake_mesh(1, 4)) == P(None, None, "model")
+  mha = decoder.Decoder(decoder.DecoderConfig(num_heads=8, d_model=32))
+  assert sharded.model_units(mha) == {"heads": 8, "kv_heads": 8}
 
 
 def test_a_model_axis_that_splits_no_head_is_refused_with_the_choices():
@@ -114,7 +125,7 @@ CHILD = textwrap.dedent("""
     from specjax.sampling import Warp
     from specjax.sprinter import loop as sprinter_loop
 
-    ROWS = [[1, 5, 7], [1, 9], [1, 3, 4, 6, 2], [1, 8, 8], [1, 11], [1, 2, 3]]   # 8x1, 4x2 pad
+    ROWS = [[1, 5, 7], [1, 9], [1, 3, 4, 6, 2], [1, 8, 8], [1, 11]]   # 8x1, 4x2, 2x4 pad
     V, MAX_NEW = 64, 10
 
     def spread(params):
@@ -178,21 +189,26 @@ CHILD = textwrap.dedent("""
       def score(self, params, hidden, keys):
         return hidden @ params["w"]
 
+    SPECULATIVE = ("exact", "adaptive", "cross")
+
+    def spec_args(case):   # (target, tp, draft, dp, rule, gamma, warp) of a speculative case
+      family, method, temperature = case.split(":")
+      pair = PAIRS[family](draft_vocab=48) if method == "cross" else PAIRS[family]()
+      rule = {"exact": "exact", "adaptive": registry.get("adaptive", max_window=6),
+              "cross": registry.get("intersection", vocab=VOCAB_MAP)}[method]
+      return (*pair, rule, 6 if method == "adaptive" else 3, Warp(temperature=float(temperature)))
+
     def run(case, mesh):
       family, method, temperature = case.split(":")
-      warp = Warp(temperature=float(temperature))
       prompt, key = Prompt.from_lists(ROWS), jax.random.PRNGKey(7)
-      kw = dict(max_new_tokens=MAX_NEW, warp=warp, eos_id=None, mesh=mesh)
-      if method == "cross":
-        target, tp, draft, dp = PAIRS[family](draft_vocab=48)
-        gen = speculative.generate(target, tp, draft, dp, prompt, key, gamma=3,
-                                   rule=registry.get("intersection", vocab=VOCAB_MAP), **kw)
+      kw = dict(max_new_tokens=MAX_NEW, warp=Warp(temperature=float(temperature)), eos_id=None,
+                mesh=mesh)
+      if method in SPECULATIVE:
+        target, tp, draft, dp, rule, gamma, warp = spec_args(case)
+        gen = speculative.generate(target, tp, draft, dp, prompt, key, rule=rule, gamma=gamma,
+                                   **kw)
       else:
         target, tp, draft, dp = PAIRS[family]()
-      if method in ("exact", "adaptive"):
-        rule = registry.get("adaptive", max_window=6) if method == "adaptive" else "exact"
-        gen = speculative.generate(target, tp, draft, dp, prompt, key, rule=rule,
-                                   gamma=6 if method == "adaptive" else 3, **kw)
       if method == "ar":
         gen = autoregressive.generate(target, tp, prompt, key, **kw)
       if method == "sprinter":
@@ -204,12 +220,11 @@ CHILD = textwrap.dedent("""
       return dict(tokens=np.asarray(gen.tokens).tolist(), lengths=np.asarray(gen.lengths).tolist(),
                   stats=stats)
 
-    def loop_hlo(mesh):
-      target, tp, draft, dp = decoder_pair()
+    def loop_hlo(case, mesh):   # what the loop of run(case, mesh) communicates (cached compile)
+      target, tp, draft, dp, rule, gamma, warp = spec_args(case)
       prompt = Prompt.from_lists(ROWS)
-      setup = speculative._validate(target, draft, prompt, None, rule="exact", gamma=3,
-                                    max_new_tokens=MAX_NEW, warp=Warp(), eos_id=None,
-                                    max_len=None)
+      setup = speculative._validate(target, draft, prompt, None, rule=rule, gamma=gamma,
+                                    max_new_tokens=MAX_NEW, warp=warp, eos_id=None, max_len=None)
       setup = dataclasses.replace(setup, mesh=mesh)
       keys = jax.random.split(jax.random.PRNGKey(7), len(ROWS))
       rows = sharding.padded_batch(len(ROWS), mesh)
@@ -217,9 +232,10 @@ CHILD = textwrap.dedent("""
                                 sharded.pad_rows((prompt, prompt), rows),
                                 sharded.pad_rows(keys, rows), mesh)
       text = sharded.jitted(speculative.loop, setup, args).lower(*args).compile().as_text()
-      return [list(c) for c in sharded.loop_collectives(text)]
+      return dict(collectives=[list(c) for c in sharded.loop_collectives(text)],
+                  capacity=setup.max_len)
 
-    # argv: cases, mesh shapes, [mesh of the HLO check or -], [coordinator port, process id]
+    # argv: cases, mesh shapes, hlo (the loop's collectives too) or -, [port, process id]
     if len(sys.argv) > 5:
       sharding.initialize_distributed(f"localhost:{sys.argv[4]}", 2, int(sys.argv[5]))
     VOCAB_MAP = cross_vocab()
@@ -228,9 +244,10 @@ CHILD = textwrap.dedent("""
     for case in cases:
       out[case] = {"1": run(case, None)}
       for shape in shapes:
-        out[case][shape] = run(case, sharding.make_mesh(*map(int, shape.split("x"))))
-    if len(sys.argv) > 3 and sys.argv[3] != "-":
-      out["hlo"] = loop_hlo(sharding.make_mesh(*map(int, sys.argv[3].split("x"))))
+        mesh = sharding.make_mesh(*map(int, shape.split("x")))
+        out[case][shape] = run(case, mesh)
+        if sys.argv[3] == "hlo" and case.split(":")[1] in SPECULATIVE:
+          out[case][shape]["hlo"] = loop_hlo(case, mesh)
     print("RESULT" + json.dumps(out))
 """)
 
@@ -248,8 +265,8 @@ def result(proc) -> dict:
   return json.loads(line[len("RESULT"):])
 
 
-def run_child(cases: list[str], shapes: list[str], hlo_shape: str = "-", timeout: int = 900):
-  argv = [sys.executable, "-c", CHILD, ",".join(cases), ",".join(shapes), hlo_shape]
+def run_child(cases: list[str], shapes: list[str], hlo: bool = False, timeout: int = 900):
+  argv = [sys.executable, "-c", CHILD, ",".join(cases), ",".join(shapes), "hlo" if hlo else "-"]
   return result(subprocess.run(argv, env=child_env(8), capture_output=True, text=True,
                                timeout=timeout, cwd=ROOT))
 
@@ -257,33 +274,35 @@ def run_child(cases: list[str], shapes: list[str], hlo_shape: str = "-", timeout
 def assert_same_as_one_device(out: dict, cases: list[str], shapes: list[str]) -> None:
   for case in cases:
     ref = out[case]["1"]
-    assert len(ref["tokens"]) == 6 and max(ref["lengths"]) > 1
+    assert len(ref["tokens"]) == 5 and max(ref["lengths"]) > 1
     for shape in shapes:
       got = out[case][shape]
       assert got["tokens"] == ref["tokens"], (case, shape)
       assert got["lengths"] == ref["lengths"], (case, shape)
       assert got["stats"] == ref["stats"], (case, shape)
+      if "hlo" in got:
+        assert_no_cache_traffic(got["hlo"], (case, shape))
 
 
-def assert_no_cache_traffic(collectives) -> None:
-  """Inside the loop only per-row activations, logits and flags move: nothing of the cache's
-  rank ([L, B, H, S, Dh]) or of its new entries ([L, B, T, H, Dh])."""
-  assert collectives, "the sharded loop runs no collective at all: is it really split?"
-  shapes = [shape for _, shape, _ in collectives if "[]" not in shape]
-  ranks = {len(shape[shape.index("[") + 1:shape.index("]")].split(",")) for shape in shapes}
-  assert max(ranks) <= 4, collectives
-  assert not [c for c in collectives if c[0] in ("all-to-all", "collective-permute")
-              and c[1].count(",") >= 4], collectives
+def assert_no_cache_traffic(hlo: dict, where) -> None:
+  """Inside the loop only per-row activations, logits and flags move (and, were a KV head split
+  another way, a block's few new entries): no collective result spans the cache's positions
+  ([L, B, H, S, Dh] with S = the capacity, larger than every other dimension but D and V)."""
+  assert hlo["collectives"], f"{where}: the sharded loop runs no collective at all: is it split?"
+  for op, shape, groups in hlo["collectives"]:
+    dims = [int(d) for d in shape[shape.index("[") + 1:shape.index("]")].split(",") if d]
+    assert not (len(dims) == 5 and hlo["capacity"] in dims), (where, op, shape, groups)
 
 
 def test_sharded_speculative_equals_one_device_and_keeps_the_cache_in_place():
-  """Sampled exact SD on a 4x2 mesh (6 rows padded to 8, heads / mlp / vocab over 2) gives the
-  one-device tokens and counters, and its compiled loop moves nothing cache-shaped."""
-  cases, shapes = ["decoder:exact:1.0"], ["4x2"]
-  out = run_child(cases, shapes, hlo_shape="4x2")
+  """Sampled exact SD of a Llama pair with grouped-query attention (8 query heads, 2 KV heads) on
+  a 2x4 mesh (5 rows padded to 6; mlp and vocab over 4, attention whole since 4 does not divide
+  the KV heads) gives the one-device tokens and counters, and its compiled loop moves nothing
+  of a cache's size."""
+  cases, shapes = ["llama:exact:1.0"], ["2x4"]
+  out = run_child(cases, shapes, hlo=True)
   assert_same_as_one_device(out, cases, shapes)
-  assert_no_cache_traffic(out["hlo"])
-  kinds = {op for op, _, _ in out["hlo"]}
+  kinds = {op for op, _, _ in out[cases[0]]["2x4"]["hlo"]["collectives"]}
   assert "all-reduce" in kinds                     # row-parallel matmuls sum over 'model'
 
 
@@ -297,7 +316,7 @@ MESHES = ["8x1", "4x2", "2x4", "1x8"]
 @pytest.mark.slow
 @pytest.mark.parametrize("case", FULL)
 def test_every_mesh_gives_the_one_device_tokens(case):
-  out = run_child([case], MESHES, timeout=1800)
+  out = run_child([case], MESHES, hlo=True, timeout=1800)
   assert_same_as_one_device(out, [case], MESHES)
 
 

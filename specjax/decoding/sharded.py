@@ -3,15 +3,17 @@
 (specjax.sharding), around the same loop function the single-device `run` jits.
 
 Placement:
-  params       sharding.param_shardings with the model's head counts as units: heads, KV heads,
-               mlp and vocab over 'model' (scanned [L, ...] leaves too), the rest replicated
+  params       sharding.param_shardings with the model's head counts as units: heads (by whole
+               KV-head groups), KV heads, mlp and vocab over 'model' (scanned [L, ...] leaves
+               too), the rest replicated
   prompts, per-row keys, every per-row leaf of the loop state: rows over 'data'
   KV caches    sharding.cache_shardings: rows over 'data', KV heads over 'model'
 The loops pin their state to these shardings after the prefill and after every block (`pin`), so
 the while loop's carry has one layout and nothing reshards a cache inside the loop.
 
 The mesh's 'model' axis must divide the target's attention heads (sharding.HeadsError otherwise);
-a draft whose heads it does not divide keeps its attention replicated over 'model'. A batch that
+where it does not divide a model's KV heads (grouped-query attention, or a draft's heads) that
+model's attention and cache stay replicated over 'model' (model_units). A batch that
 the 'data' axis does not divide is padded with copies of its last row (and key); the padding rows
 are dropped from the Generation, which comes back replicated on every device (one all-gather of
 tokens and counters after the loop), so every process of a multi-host run holds all of it.
@@ -31,20 +33,30 @@ from specjax.decoding.state import Generation, finish
 from specjax.models import kv_cache
 
 
-def model_units(model) -> dict[str, int] | None:
-  """{'heads': H, 'kv_heads': Hkv} of a model with an attention config (None: no heads known)."""
+def attention_heads(model) -> tuple[int, int] | None:
+  """(H, Hkv) of a model with an attention config (None: no heads known)."""
   cfg = getattr(model, "config", None)
   heads = getattr(cfg, "num_heads", None)
   if heads is None:
     return None
-  return {"heads": int(heads), "kv_heads": int(getattr(cfg, "num_kv_heads", heads))}
+  return int(heads), int(getattr(cfg, "num_kv_heads", heads))
+
+
+def model_units(model) -> dict[str, int] | None:
+  """The rules table's units of a model's head dims: query heads split only by whole KV-head
+  groups (the G = H / Hkv query heads that read one KV head), so that attention never needs a KV
+  head from another device. A 'model' axis that does not divide Hkv then leaves the attention
+  (and the cache) replicated over 'model'; mlp and vocab still split: splitting the query heads
+  alone made XLA regather the whole replicated cache every block."""
+  heads = attention_heads(model)
+  return None if heads is None else {"heads": heads[1], "kv_heads": heads[1]}
 
 
 def check_target(model, mesh, what: str = "the target") -> None:
   """sharding.HeadsError when the mesh's 'model' axis divides none of the target's heads."""
-  units = model_units(model)
-  if units is not None:
-    sharding.check_heads(mesh, units["heads"], units["kv_heads"], what)
+  heads = attention_heads(model)
+  if heads is not None:
+    sharding.check_heads(mesh, heads[0], heads[1], what)
 
 
 def param_shardings(model, params, mesh) -> Any:
@@ -76,12 +88,12 @@ def pin(state, mesh):
 
 
 def init_cache(model, batch: int, max_len: int, enc_len: int, mesh) -> kv_cache.KVCache:
-  """model.init_cache; with a mesh, created on its shardings and written by batched scatters
-  (KVCache.batched_writes), so every row's entries are written on the device holding the row."""
+  """model.init_cache; with a mesh, created on its shardings and carrying the k/v layout
+  (KVCache.layout), so that writes keep every row and KV head where the cache holds it."""
   cache = model.init_cache(batch, max_len, enc_len)
   if mesh is None:
     return cache
-  return pin(cache.replace(batched_writes=True), mesh)
+  return pin(cache.replace(layout=sharding.cache_shardings(cache, mesh).k), mesh)
 
 
 def pad_rows(tree, rows: int):

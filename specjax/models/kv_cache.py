@@ -11,16 +11,21 @@ positions lengths[b] .. lengths[b]+T-1 and advances `lengths`; entries past a ro
 stale, masked out of attention, and overwritten later. Rollback is therefore only
 `cache.replace(lengths=new_lengths)` (see `rollback`).
 
-Sharded decoding (decoding/sharded.py) splits the rows over devices and sets `batched_writes`:
-every write is then one batched scatter, whose rows stay on their devices (the row-by-row form
-below indexes rows statically and moves each row's entries between devices).
+Sharded decoding (decoding/sharded.py) sets `layout`, the buffers' sharding: every write is then
+one batched scatter of entries laid out like the cache, so rows stay on their devices (the
+row-by-row form below indexes rows statically and moves each row's entries between devices) and
+the cache is never regathered (entries computed split another way move instead: T positions,
+not S).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -31,7 +36,7 @@ class KVCache:
   cross_k: jax.Array | None = None     # [L, B, H, E, Dh] encoder keys (T5 only)
   cross_v: jax.Array | None = None     # [L, B, H, E, Dh] encoder values (T5 only)
   enc_mask: jax.Array | None = None    # [B, E] bool, valid encoder positions (T5 only)
-  batched_writes: bool = flax.struct.field(pytree_node=False, default=False)   # see module doc
+  layout: Any = flax.struct.field(pytree_node=False, default=None)   # k/v sharding (module doc)
 
   @property
   def capacity(self) -> int:
@@ -67,16 +72,22 @@ ROWWISE_MAX_BATCH = 8
 
 
 def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array,
-                 batched: bool = False) -> jax.Array:
+                 layout: NamedSharding | None = None) -> jax.Array:
   """write_layer for every layer at once: buf [L, B, H, S, Dh], new [L, B, T, H, Dh].
 
   Small batches (the latency-bound case) write row by row with scalar-offset
   dynamic_update_slice, which XLA performs in place inside the decoding loop; the batched form
-  (any batch with `batched`) lowers to a scatter that copies the whole buffer each call on
-  XLA:CPU (cost linear in the cache size).
+  (any batch with a `layout`, the sharding of buf) lowers to a scatter that copies the whole
+  buffer each call on XLA:CPU (cost linear in the cache size).
   """
   batch = buf.shape[1]
-  if batched or batch > ROWWISE_MAX_BATCH:
+  if layout is not None:
+    layers, rows, heads, _, dims = layout.spec
+    like_buf = NamedSharding(layout.mesh, PartitionSpec(layers, rows, None, heads, dims))
+    new = jax.lax.with_sharding_constraint(new, like_buf)                 # [L, B, T, H, Dh]
+    out = jax.vmap(write_layer, in_axes=(0, 0, None))(buf, new, lengths)
+    return jax.lax.with_sharding_constraint(out, layout)
+  if batch > ROWWISE_MAX_BATCH:
     return jax.vmap(write_layer, in_axes=(0, 0, None))(buf, new, lengths)
   new = jnp.swapaxes(new, 2, 3).astype(buf.dtype)                       # [L, B, H, T, Dh]
   for b in range(batch):
@@ -86,9 +97,9 @@ def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array,
 
 def append(cache: KVCache, k: jax.Array, v: jax.Array) -> KVCache:
   """Write the T new entries k, v [L,B,T,H,Dh] of row b at lengths[b] and advance lengths by T."""
-  batched = cache.batched_writes
-  return cache.replace(k=write_layers(cache.k, k, cache.lengths, batched),
-                       v=write_layers(cache.v, v, cache.lengths, batched),
+  layout = cache.layout
+  return cache.replace(k=write_layers(cache.k, k, cache.lengths, layout),
+                       v=write_layers(cache.v, v, cache.lengths, layout),
                        lengths=cache.lengths + k.shape[2])
 
 

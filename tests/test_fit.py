@@ -29,6 +29,7 @@ def specjax_logger():
   handler.setFormatter(logging.Formatter("specjax: %(message)s"))
   logger.handlers[:] = [handler]
   logger.setLevel(logging.INFO)
+  logger.propagate = True       # as a fresh process has it (cli.setup, run earlier, clears it)
   yield logger, stream
   logger.handlers[:], logger.level, logger.propagate = saved
 

@@ -10,6 +10,10 @@ TTFT/TPOT), which is what the cost model describes: model_efficiency = decode_sp
 tau/(c*gamma+v). Also measured: the cost ratio c = draft step / target step, the verify cost ratio
 v = target pass over gamma+1 tokens / single-token target pass, and the predicted speedups
 tau/(c*gamma+1) (the paper's) and tau/(c*gamma+v) (the cost model with v).
+
+The config's `mesh` section places both models on a data x model mesh (--config.mesh.model=8:
+tensor-parallel over 8 devices; a data axis > 1 pads the batch-1 runs to that many rows); the
+records name it (mesh, devices, processes).
 """
 
 from __future__ import annotations
@@ -111,10 +115,11 @@ def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: i
       model_efficiency=decode(ar) / decode(sd) / model_predicted,
       block_efficiency=tau, acceptance_rate=alpha, cost_ratio=c, verify_cost_ratio=v,
       target_step_ms=1e3 * t1, draft_step_ms=1e3 * d1,
-      compile_s=ar["compile_s"] + sd["compile_s"], device=jax.devices()[0].device_kind)
+      compile_s=ar["compile_s"] + sd["compile_s"], device=jax.devices()[0].device_kind,
+      **runner.devices(dec.mesh))
 
 
-COLUMNS = ("rule", "gamma", "ar_ms_per_token", "sd_ms_per_token", "speedup",
+COLUMNS = ("rule", "gamma", "mesh", "ar_ms_per_token", "sd_ms_per_token", "speedup",
            "ar_decode_ms_per_token", "sd_decode_ms_per_token", "decode_speedup",
            "predicted_speedup", "model_predicted_speedup", "model_efficiency", "block_efficiency",
            "acceptance_rate", "cost_ratio", "verify_cost_ratio", "compile_s")
@@ -144,9 +149,10 @@ def main(argv=None) -> int:
     for g in gammas:
       records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
                              builders.decode_settings(config).seed, args.probe_steps))
-      print(table(records[-1:]) if len(records) == 1 else table(records[-1:]).splitlines()[-1],
-            flush=True)
-    if args.output_json:
+      if runner.reports():
+        print(table(records[-1:]) if len(records) == 1 else table(records[-1:]).splitlines()[-1],
+              flush=True)
+    if args.output_json and runner.reports():
       with open(args.output_json, "w") as f:
         json.dump(records if len(records) > 1 else records[0], f, indent=2)
 

@@ -66,9 +66,18 @@ def distill(**overrides) -> ml_collections.ConfigDict:
 
 
 def mesh(data: int = -1, model: int = 1) -> ml_collections.ConfigDict:
+  """The `mesh` section: a data x model device mesh (data=-1: every device the model axis leaves).
+  Training shards batches over data and heads / mlp / vocab over model; decoding does the same
+  with prompts and KV caches (configs that decode start at 1 x 1, one device):
+
+      python -m specjax.decode --config tiny.py --config.mesh.data=2 --config.mesh.model=4
+  """
   return ml_collections.ConfigDict(dict(data=data, model=model))
 
 
 def distributed() -> ml_collections.ConfigDict:
+  """The `distributed` section: enabled=True calls jax.distributed.initialize first (multi-host:
+  every process runs the same command; coordinator / num_processes / process_id where JAX does
+  not find them itself). Decoding gives every process the same results; process 0 reports."""
   return ml_collections.ConfigDict(dict(enabled=False, coordinator="", num_processes=0,
                                         process_id=-1))

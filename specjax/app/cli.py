@@ -54,8 +54,9 @@ def advice(err: Exception) -> str:
   """The error's message, with the flag that mends it where the error's data tells which."""
   if isinstance(err, kv_cache.CacheOverflowError):
     return (f"{err.what} needs {err.needed} cache positions but the cache holds {err.capacity}: "
-            f"raise --config.decode.max_len (at least {err.needed}), or shorten the prompt / "
-            f"--config.decode.max_new_tokens")
+            f"shorten the prompt (or --config.decode.truncate=left) or lower "
+            f"--config.decode.max_new_tokens; where --config.decode.max_len is set, at least "
+            f"{err.needed}")
   if isinstance(err, sharding.HeadsError):
     choices = ", ".join(str(v) for v in err.valid)
     return (f"--config.mesh.model={err.model_axis} divides neither the {err.heads} attention "

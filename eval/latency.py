@@ -13,20 +13,20 @@ tau/(c*gamma+1) (the paper's) and tau/(c*gamma+v) (the cost model with v).
 
 The config's `mesh` section places both models on a data x model mesh (--config.mesh.model=8:
 tensor-parallel over 8 devices; a data axis > 1 pads the batch-1 runs to that many rows); the
-records name it (mesh, devices, processes).
+records name it (mesh, devices, processes). --output_json gets a JSON list with one record per
+gamma (one gamma: a list of one), rewritten as each gamma finishes.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import statistics
 import sys
 
 import jax
 
-from eval import timing
-from specjax.app import builders, cli, methods, runner
+from eval import flags, timing
+from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import load_config
 from specjax.models import prompting
 
@@ -137,6 +137,10 @@ def main(argv=None) -> int:
   args, overrides = parse_args(argv)
 
   def go():
+    flags.check_counts(num_prompts=args.num_prompts, repeats=args.repeats,
+                       probe_steps=args.probe_steps)
+    gammas = flags.parse_gammas(args.gamma)
+    output = flags.output_file(args.output_json, "--output_json")
     cli.setup()
     config = load_config(args.config, overrides)
     dec = methods.build(config)
@@ -144,17 +148,16 @@ def main(argv=None) -> int:
       raise ValueError(f"eval.latency compares target-only and speculative decoding; the config "
                        f"runs {dec.name} (name a draft checkpoint and an acceptance rule)")
     prompts = runner.eval_prompts(config, args.num_prompts)
-    gammas = [int(g) for g in args.gamma.split(",") if g] or [dec.settings.gamma]
     records = []
-    for g in gammas:
+    for g in gammas or [dec.settings.gamma]:
       records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
                              builders.decode_settings(config).seed, args.probe_steps))
-      if runner.reports():
-        print(table(records[-1:]) if len(records) == 1 else table(records[-1:]).splitlines()[-1],
-              flush=True)
-    if args.output_json and runner.reports():
-      with open(args.output_json, "w") as f:
-        json.dump(records if len(records) > 1 else records[0], f, indent=2)
+      if not runner.reports():
+        continue
+      lines = table(records[-1:]).splitlines()
+      print("\n".join(lines if len(records) == 1 else lines[-1:]), flush=True)
+      if output:             # a list, rewritten after every gamma: a failure keeps those done
+        outputs.write_json(output, records)
 
   return cli.run("eval.latency", go)
 

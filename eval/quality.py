@@ -7,16 +7,17 @@ Modes: target, draft_raw_only, draft_only (the distilled draft), sd_RULE (with t
 and sd_RULE_raw_draft (with the raw draft: the acceptance-rate gain of distillation).
 Each mode decodes the same validation prompts with the config's decode settings (same seed) and
 scores the outputs against the references with the task's metric (ROUGE for the stdlib tasks).
+--output_json is rewritten (atomically, strict JSON) as each mode finishes.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 
 import jax
 
-from specjax.app import builders, cli, methods, runner
+from eval import flags
+from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import load_config
 from specjax.data import metrics
 
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
   args, overrides = parse_args(argv)
 
   def go():
+    flags.check_counts(num_examples=args.num_examples, batch_size=args.batch_size)
+    output = flags.output_file(args.output_json, "--output_json")
     cli.setup()
     config = load_config(args.config, overrides)
     source = builders.eval_source(config)
@@ -63,9 +66,8 @@ def main(argv=None) -> int:
       report["modes"][mode] = {**scores, "examples": len(rows),
                                **runner.aggregate([st for _, _, _, st in rows])}
       print(f"{mode:>20}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()), flush=True)
-    if args.output_json:
-      with open(args.output_json, "w") as f:
-        json.dump(report, f, indent=2)
+      if output:             # rewritten after every mode: a failure keeps the modes done
+        outputs.write_json(output, report)
 
   return cli.run("eval.quality", go)
 

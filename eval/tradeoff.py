@@ -11,8 +11,10 @@ turn per prompt (median of --repeats runs, after compilation): tokens/s and ms/t
 the draft share = accepted / emitted (FSD's %MD). Reference points: target only and draft only;
 for --rule fuzzy also the random-acceptance curve (fuzzy_random, --random_values). --rule adaptive
 compares AdaSD, its Gen-Only and Verify-Only ablations and exact SD (gamma from the config).
-Writes OUTPUT.csv, OUTPUT.json and OUTPUT.png (quality against tokens/s; needs matplotlib, the
-`eval` extra: pip install 'specjax[eval]').
+Writes OUTPUT.csv, OUTPUT.json and OUTPUT.png (quality against tokens/s, on a log axis when the
+speeds span more than LOG_SPAN, e.g. a draft-only point far right of the rest). The three paths
+are checked before any work and written atomically; OUTPUT.json is first written with the
+quality of every setting, before the timing.
 """
 
 from __future__ import annotations
@@ -20,21 +22,23 @@ from __future__ import annotations
 import ast
 import csv
 import dataclasses
-import json
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
+from eval import flags
 from eval.latency import time_decoding
 from specjax.acceptance import registry
-from specjax.app import builders, cli, methods, runner
+from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import load_config
 from specjax.data import metrics
 
 SWEPT = {"fuzzy": "threshold", "lenient": "eps"}     # the hyperparameter --values sets
 PRIMARY = {"rouge": "rouge2", "bleu": "bleu", "exact_match": "exact_match", "gsm8k": "accuracy"}
 DEFAULT_RANDOM = "0,0.2,0.4,0.6,0.8,0.9,1"
+LOG_SPAN = 4.0          # fastest / slowest tokens/s above which the plot's x axis is logarithmic
+OUTPUT_SUFFIXES = (".csv", ".json", ".png")
 ADAPTIVE_VARIANTS = {"adasd": {}, "gen_only": {"js_accept": False},
                      "verify_only": {"entropy_stop": False, "max_window": 5}}
 
@@ -145,22 +149,25 @@ def record(point: Setting, result: dict) -> dict:
 
 def write_csv(records: list[dict], path: str) -> None:
   columns = list(dict.fromkeys(k for r in records for k in r))
-  with open(path, "w", newline="") as f:
+  with outputs.atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=columns)
     writer.writeheader()
     writer.writerows(records)
 
 
-def plot(records: list[dict], path: str, quality_key: str) -> bool:
-  """Quality against tokens/s, one line per curve; False (with a hint) without matplotlib."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print(f"matplotlib is missing, so {path} was not written: pip install 'specjax[eval]' "
-          f"(or pip install matplotlib)", file=sys.stderr)
-    return False
+def x_scale(speeds: list[float]) -> str:
+  """'log' when the finite positive speeds span more than LOG_SPAN (a linear axis would crowd
+  every point but the far one into a corner), else 'linear'."""
+  finite = [v for v in speeds if v == v and 0 < v < float("inf")]
+  return "log" if finite and max(finite) > LOG_SPAN * min(finite) else "linear"
+
+
+def plot(records: list[dict], path: str, quality_key: str) -> None:
+  """Quality against tokens/s, one line per curve, written atomically to `path`."""
+  import matplotlib         # here: the other tools need not pay its import
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.ticker import ScalarFormatter
   fig, ax = plt.subplots(figsize=(6, 4.5))
   for curve in dict.fromkeys(r["curve"] for r in records):
     pts = [r for r in records if r["curve"] == curve]
@@ -170,18 +177,27 @@ def plot(records: list[dict], path: str, quality_key: str) -> bool:
       if r["value"] != "":
         ax.annotate(f"{r['value']:g}", (r["tokens_per_s"], r["quality"]), fontsize=7,
                     textcoords="offset points", xytext=(3, 3))
-  ax.set_xlabel("tokens/s (batch 1)")
+  scale = x_scale([r["tokens_per_s"] for r in records])
+  ax.set_xscale(scale)
+  if scale == "log":        # plain numbers on the ticks, minor ones included
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(ScalarFormatter())
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+  ax.set_xlabel(f"tokens/s (batch 1{', log scale' if scale == 'log' else ''})")
   ax.set_ylabel(quality_key)
   ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
+  ax.grid(alpha=0.3, which="both")
   fig.tight_layout()
-  fig.savefig(path, dpi=150)
+  with outputs.atomic_path(path) as tmp:
+    fig.savefig(tmp, dpi=150)
   plt.close(fig)
-  return True
 
 
 def sweep(points: list[tuple[Setting, methods.Method]], prompts, refs, metric, quality_key, key,
-          *, timing_prompts: int, repeats: int, batch_size: int) -> list[dict]:
+          *, timing_prompts: int, repeats: int, batch_size: int,
+          save_quality: Callable[[list[dict]], None] | None = None) -> list[dict]:
+  """Quality of every setting, then their speed timed alternately; save_quality gets the
+  quality records before the timing starts (so that a failed timing keeps them)."""
   quality = []
   for point, dec in points:
     quality.append(measure_quality(dec, prompts, refs, metric, quality_key, key, batch_size))
@@ -189,6 +205,8 @@ def sweep(points: list[tuple[Setting, methods.Method]], prompts, refs, metric, q
     print(f"{point.curve:>14} {str(point.value):>6}: {quality_key} {q['quality']:.2f}, "
           f"alpha {q['alpha']:.3f}, tau {q['tau']:.2f}, draft share {q['draft_share']:.3f}",
           flush=True)
+  if save_quality:
+    save_quality([record(point, q) for (point, _), q in zip(points, quality)])
   print(f"timing {len(points)} settings alternately on {timing_prompts} prompts ...", flush=True)
   speed = measure_speed([dec for _, dec in points], prompts[:timing_prompts], key, repeats)
   records = [record(point, {**q, **v}) for (point, _), q, v in zip(points, quality, speed)]
@@ -199,10 +217,20 @@ def sweep(points: list[tuple[Setting, methods.Method]], prompts, refs, metric, q
 
 def write(records: list[dict], output: str, quality_key: str) -> None:
   write_csv(records, f"{output}.csv")
-  with open(f"{output}.json", "w") as f:
-    json.dump({"quality_key": quality_key, "records": records}, f, indent=2, default=str)
-  wrote = plot(records, f"{output}.png", quality_key)
-  print(f"wrote {output}.csv, {output}.json" + (f", {output}.png" if wrote else ""))
+  write_json(records, output, quality_key)
+  plot(records, f"{output}.png", quality_key)
+  print(f"wrote {output}.csv, {output}.json, {output}.png")
+
+
+def write_json(records: list[dict], output: str, quality_key: str) -> None:
+  outputs.write_json(f"{output}.json", {"quality_key": quality_key, "records": records})
+
+
+def check_output(prefix: str) -> str:
+  """The absolute output prefix, once OUTPUT.csv/.json/.png are known to be writable."""
+  for suffix in OUTPUT_SUFFIXES:
+    path = outputs.check_output_file(f"{prefix}{suffix}", "--output")
+  return str(path.with_suffix(""))
 
 
 def parse_args(argv):
@@ -228,11 +256,13 @@ def build_points(config, args) -> list[tuple[Setting, methods.Method]]:
   random_text = args.random_values
   if random_text is None:
     random_text = DEFAULT_RANDOM if args.rule == "fuzzy" else ""
+  values, extra, random_values = (parse_values(args.values), parse_sets(args.set),
+                                  parse_values(random_text))
+  settings(args.rule, values, 1, extra, random_values)    # refuse bad flags before loading
   base = methods.build(config)
   if not isinstance(base, methods.Speculative):
     raise ValueError(f"eval.tradeoff needs speculative decoding; the config runs {base.name}")
-  points = settings(args.rule, parse_values(args.values), base.settings.gamma,
-                    parse_sets(args.set), parse_values(random_text))
+  points = settings(args.rule, values, base.settings.gamma, extra, random_values)
   draft_alone = methods.Autoregressive.from_config(config, target_role="draft")
   return [(p, method_for(p, base, draft_alone)) for p in points]
 
@@ -241,6 +271,9 @@ def main(argv=None) -> int:
   args, overrides = parse_args(argv)
 
   def go():
+    flags.check_counts(num_examples=args.num_examples, batch_size=args.batch_size,
+                       timing_prompts=args.timing_prompts, repeats=args.repeats)
+    output = check_output(args.output or f"tradeoff_{args.rule}")
     cli.setup()
     config = load_config(args.config, overrides)
     points = build_points(config, args)
@@ -251,8 +284,9 @@ def main(argv=None) -> int:
     key = jax.random.PRNGKey(builders.decode_settings(config).seed)
     records = sweep(points, [p for p, _ in examples], [r for _, r in examples], metric,
                     quality_key, key, timing_prompts=args.timing_prompts, repeats=args.repeats,
-                    batch_size=args.batch_size)
-    write(records, args.output or f"tradeoff_{args.rule}", quality_key)
+                    batch_size=args.batch_size,
+                    save_quality=lambda done: write_json(done, output, quality_key))
+    write(records, output, quality_key)
 
   return cli.run("eval.tradeoff", go)
 

@@ -1,0 +1,151 @@
+"""The eval tools' inputs and outputs: counts below 1 and unwritable output paths refused before any
+work (exit 2, one line), results written atomically as strict JSON (eval.latency: always a list),
+the trade-off plot's axis, and the tools run from any directory (installed with the package)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from eval import latency, quality, tradeoff
+from specjax.app import builders, methods, resolve
+from specjax import testing
+
+TOOLS = {"eval.latency": latency, "eval.quality": quality, "eval.tradeoff": tradeoff}
+COUNTS = [("eval.latency", "--num_prompts"), ("eval.latency", "--repeats"),
+          ("eval.latency", "--probe_steps"), ("eval.quality", "--num_examples"),
+          ("eval.quality", "--batch_size"), ("eval.tradeoff", "--num_examples"),
+          ("eval.tradeoff", "--batch_size"), ("eval.tradeoff", "--timing_prompts"),
+          ("eval.tradeoff", "--repeats")]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+  """Any tool that gets as far as reading its config fails the test."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("the tool started work before refusing its flags")
+  for module in TOOLS.values():
+    monkeypatch.setattr(module, "load_config", refuse)
+
+
+def _error_line(capsys) -> str:
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "Traceback" not in err, err
+  return err.strip()
+
+
+@pytest.mark.parametrize("tool,flag", COUNTS)
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_counts_below_one_refused(tool, flag, value, no_work, capsys):
+  assert TOOLS[tool].main([flag, value]) == 2
+  assert _error_line(capsys) == f"{tool}: error: {flag} must be at least 1, got {value}"
+
+
+@pytest.mark.parametrize("gamma,message", [("1,x", "comma-separated whole numbers"),
+                                           ("2,0", "at least 1")])
+def test_latency_gammas_refused(gamma, message, no_work, capsys):
+  assert latency.main(["--gamma", gamma]) == 2
+  assert message in _error_line(capsys)
+
+
+@pytest.mark.parametrize("tool,flag", [("eval.latency", "--output_json"),
+                                       ("eval.quality", "--output_json"),
+                                       ("eval.tradeoff", "--output")])
+def test_output_paths_refused_before_work(tool, flag, tmp_path, no_work, capsys):
+  missing = tmp_path / "missing" / "out"
+  assert TOOLS[tool].main([flag, str(missing)]) == 2
+  assert f"{missing.parent} does not exist" in _error_line(capsys)
+  (tmp_path / "out.png").mkdir()           # tradeoff's third file is a directory
+  if tool == "eval.tradeoff":
+    assert tradeoff.main([flag, str(tmp_path / "out")]) == 2
+    assert "out.png is a directory" in _error_line(capsys)
+
+
+def _toy_speculative():
+  class Chars:
+    eos_id, pad_id, bos_id = 0, 0, None
+    encode = staticmethod(lambda text: ["abcde".index(c) + 1 for c in text])
+    decode = staticmethod(lambda ids: " ".join("abcde"[i - 1] for i in ids if i > 0))
+  model = testing.ToyAR(6, 8)
+  params = model.init_params(jax.random.PRNGKey(0))
+  loaded = resolve.LoadedModel(model, params, Chars(), Path("."))
+  return methods.Speculative(target=loaded, draft=loaded,
+                             settings=builders.DecodeSettings(gamma=3, max_new_tokens=4))
+
+
+def _record(gamma: int) -> dict:
+  record = {c: 1.0 for c in latency.COLUMNS}
+  return {**record, "rule": "exact", "gamma": gamma, "mesh": "1x1", "cost_ratio": math.nan}
+
+
+def test_latency_writes_a_strict_list_per_gamma_and_keeps_done_gammas(tmp_path, monkeypatch):
+  monkeypatch.setattr(latency, "load_config", lambda name, overrides: {})
+  monkeypatch.setattr(latency.methods, "build", lambda config: _toy_speculative())
+  monkeypatch.setattr(latency.runner, "eval_prompts", lambda config, n: ["ab"])
+  monkeypatch.setattr(latency.builders, "decode_settings", lambda config: builders.DecodeSettings())
+
+  def measure(dec, prompts, repeats, seed, steps):
+    if dec.settings.gamma == 5:
+      raise ValueError("gamma 5 failed")
+    return _record(dec.settings.gamma)
+  monkeypatch.setattr(latency, "measure", measure)
+  out = tmp_path / "latency.json"
+  assert latency.main(["--output_json", str(out)]) == 0
+  one = json.loads(out.read_text())               # strict: json's parser takes no NaN here
+  assert [r["gamma"] for r in one] == [3] and one[0]["cost_ratio"] is None
+  assert "NaN" not in out.read_text()
+  assert latency.main(["--gamma", "1,2,5", "--output_json", str(out)]) == 2
+  assert [r["gamma"] for r in json.loads(out.read_text())] == [1, 2]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["latency.json"]     # no temporary left
+
+
+def _tradeoff_records(draft_speed: float) -> list[dict]:
+  rows = [("target", "", 20.0, 30.0), ("draft", "", draft_speed, 5.0), ("fuzzy", 0.1, 40.0, 29.0),
+          ("fuzzy", 0.4, 60.0, 25.0)]
+  return [{"curve": c, "value": v, "tokens_per_s": s, "quality": q, "alpha": math.nan}
+          for c, v, s, q in rows]
+
+
+def test_tradeoff_axis_is_logarithmic_when_one_point_is_far():
+  assert tradeoff.x_scale([20.0, 40.0, 60.0]) == "linear"
+  assert tradeoff.x_scale([20.0, 40.0, 60.0, 900.0]) == "log"
+  assert tradeoff.x_scale([20.0, math.nan, 60.0, 0.0]) == "linear"    # unmeasured points ignored
+
+
+def test_tradeoff_writes_strict_json_csv_and_a_png(tmp_path):
+  import matplotlib.image
+  records = _tradeoff_records(900.0)
+  tradeoff.write(records, str(tmp_path / "out"), "rouge2")
+  written = json.loads((tmp_path / "out.json").read_text())
+  assert written["records"][0]["alpha"] is None and written["quality_key"] == "rouge2"
+  assert (tmp_path / "out.csv").read_text().startswith("curve,value,")
+  height, width, _ = matplotlib.image.imread(tmp_path / "out.png").shape
+  assert width > 400 and height > 300
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv", "out.json", "out.png"]
+
+
+def _clean_env() -> dict:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  for name in ("PYTHONPATH", "SPECJAX_DEBUG"):
+    env.pop(name, None)
+  return env
+
+
+def test_eval_and_train_run_from_any_directory(tmp_path):
+  """The tools are installed with the package: `python -m eval.* / train.*` outside the
+  repository (a refusal and a --help, so that nothing loads)."""
+  refused = subprocess.run([sys.executable, "-m", "eval.latency", "--repeats", "0"],
+                           cwd=tmp_path, env=_clean_env(), capture_output=True, text=True,
+                           timeout=120)
+  assert refused.returncode == 2, refused.stderr
+  assert refused.stderr.strip() == "eval.latency: error: --repeats must be at least 1, got 0"
+  helped = subprocess.run([sys.executable, "-m", "train.distill", "--help"], cwd=tmp_path,
+                          env=_clean_env(), capture_output=True, text=True, timeout=120)
+  assert helped.returncode == 0 and "train.distill" in helped.stdout, helped.stderr

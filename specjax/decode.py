@@ -6,38 +6,80 @@
         --input_file prompts.txt --output_json out.json
 
 Speculative decoding runs when the config names a draft checkpoint and a rule; otherwise the
-target decodes alone (greedy when decode.temperature == 0).
+target decodes alone (greedy when decode.temperature == 0). A prompt longer than the cache allows
+is refused with the longest that fits; --config.decode.truncate=left keeps its last tokens.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-from specjax.app import cli, config, runner
+from specjax.app import cli, config, outputs, runner
+
+
+class PromptError(ValueError):
+  """A prompt or prompt file that cannot be used; the message names it and the fix."""
 
 
 def read_prompts(args, cfg) -> list[str]:
+  """--prompt texts, then --input_file lines (blank lines skipped), else the config's prompts."""
   prompts = list(args.prompt)
+  if any(not p.strip() for p in prompts):
+    raise PromptError("--prompt is empty: give the text to continue")
   if args.input_file:
-    with open(args.input_file, encoding="utf-8") as f:
-      prompts += [line.rstrip("\n") for line in f if line.strip()]
+    prompts += read_prompt_file(args.input_file)
   prompts = prompts or list(cfg.get("prompts", []))
   if not prompts:
-    raise config.ConfigError("no prompt: pass --prompt TEXT or --input_file FILE")
+    raise PromptError("no prompt: pass --prompt TEXT or --input_file FILE")
   return prompts
+
+
+def read_prompt_file(name: str) -> list[str]:
+  """The non-blank lines of a UTF-8 file, each one prompt."""
+  path = Path(name).expanduser()
+  if path.is_dir():
+    raise PromptError(f"--input_file {path} is a directory: give a file with one prompt per line")
+  try:
+    text = path.read_text(encoding="utf-8")
+  except FileNotFoundError:
+    raise PromptError(f"--input_file {path} does not exist") from None
+  except UnicodeDecodeError as err:
+    raise PromptError(f"--input_file {path} is not UTF-8 text (byte {err.start} is "
+                      f"{err.object[err.start]:#04x}): save it as UTF-8") from None
+  except OSError as err:
+    raise PromptError(f"--input_file {path} cannot be read ({err.strerror})") from None
+  prompts = [line for line in text.splitlines() if line.strip()]
+  if not prompts:
+    raise PromptError(f"--input_file {path} holds no prompt (every line is blank)")
+  return prompts
+
+
+def save_report(path: Path, report: dict) -> None:
+  """--output_json, written atomically; if that fails after all, the report goes to a temporary
+  file instead of being lost, and the error names both."""
+  try:
+    outputs.write_json(path, report)
+  except OSError as err:
+    fallback = Path(tempfile.gettempdir()) / f"specjax-decode-{os.getpid()}.json"
+    outputs.write_json(fallback, report)
+    raise outputs.OutputPathError(f"--output_json {path} could not be written "
+                                  f"({err.strerror or err}); the results are in {fallback}") from None
 
 
 def main(argv=None) -> int:
   p = cli.parser("python -m specjax.decode", __doc__)
   p.add_argument("--config", default="tiny.py", help="a shipped config name or a config file")
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-  p.add_argument("--input_file", help="a file with one prompt per line")
+  p.add_argument("--input_file", help="a UTF-8 file with one prompt per line (blank lines skipped)")
   p.add_argument("--output_json", help="write texts, token ids, statistics and settings here")
   args, overrides = cli.parse(p, argv)
 
   def go() -> int:
+    output = args.output_json and outputs.check_output_file(args.output_json, "--output_json")
     cli.setup()
     cfg = config.load_config(args.config, overrides)
     prompts = read_prompts(args, cfg)
@@ -49,9 +91,8 @@ def main(argv=None) -> int:
     for item in report["results"]:
       print(f"> {item['prompt']}\n{item['text']}\n")
     print(runner.summary_line(report["stats"], wall))
-    if args.output_json:
-      with open(args.output_json, "w") as f:
-        json.dump(report, f, indent=2)
+    if output:
+      save_report(output, report)
     return 0
 
   return cli.run("specjax.decode", go)

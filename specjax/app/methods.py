@@ -25,7 +25,7 @@ import numpy as np
 
 from specjax import sharding
 from specjax.acceptance import registry, vocab
-from specjax.app import builders, resolve
+from specjax.app import builders, prompt_fit, resolve
 from specjax.app.config import ConfigError
 from specjax.decoding import autoregressive, sharded, speculative, string_level
 from specjax.decoding.state import Generation
@@ -134,24 +134,50 @@ class Method:
   def draft_model(self) -> resolve.LoadedModel | None:
     return getattr(self, "draft", None)
 
-  def room(self, loaded: resolve.LoadedModel) -> int | None:
-    """Cache positions left for a prompt: max_len (or the model's position table) minus the
-    generated tokens and the verify block; None: unbounded (T5 prompts live in the encoder)."""
+  def room(self, loaded: resolve.LoadedModel) -> prompt_fit.Room | None:
+    """How long a prompt `loaded`'s cache can hold (None: no bound, a T5 encoder without
+    decode.max_len)."""
+    limit = self.cache_limit(loaded)
+    if limit is None:
+      return None
+    per_token, fixed, fixed_from = self.reserve(loaded)
+    return prompt_fit.Room(model=self.role(loaded), limit=limit[0], limit_from=limit[1],
+                           max_new_tokens=self.settings.max_new_tokens, per_token=per_token,
+                           fixed=fixed, fixed_from=fixed_from)
+
+  def cache_limit(self, loaded: resolve.LoadedModel) -> tuple[int, str] | None:
+    """(positions, where the number comes from): decode.max_len, else the smallest position
+    table of the method's decoder-only models (one cache size serves them all)."""
+    if self.settings.max_len:
+      return self.settings.max_len, "--config.decode.max_len"
     if loaded.model.is_encoder_decoder:
       return None
-    limit = self.settings.max_len or getattr(getattr(loaded.model, "config", None),
-                                             "n_positions", None)
-    return None if limit is None else limit - self.settings.max_new_tokens - self.settings.gamma - 1
+    tables = [(n, m) for m in self.models() if (n := _positions(m.model)) is not None]
+    if not tables:
+      return None
+    n, owner = min(tables, key=lambda t: t[0])
+    return n, "its n_positions" if owner is loaded else f"{self.role(owner)}'s n_positions"
+
+  def reserve(self, loaded: resolve.LoadedModel) -> tuple[int, int, str]:
+    """Cache positions decoding takes after a prompt in `loaded`'s cache: (per new token,
+    fixed, what the fixed ones are); a T5 prompt lives in the encoder and takes none of them."""
+    return (0, 0, "") if loaded.model.is_encoder_decoder else (1, 0, "")
+
+  def models(self) -> list[resolve.LoadedModel]:
+    return [m for m in (self.target, self.draft_model) if m is not None]
+
+  def role(self, loaded: resolve.LoadedModel) -> str:
+    return "the target" if loaded is self.target else "the draft"
 
   def encode(self, loaded: resolve.LoadedModel, texts) -> Prompt:
-    """Texts -> a bucketed Prompt for one model; the bucket is clipped to the room left in its
-    cache when the longest prompt fits there."""
-    rows = [prompting.encode(loaded.tokenizer, t, encoder_decoder=loaded.model.is_encoder_decoder)
-            for t in texts]
+    """Texts -> a bucketed Prompt for one model, every row fitted to its cache (prompt_fit);
+    the bucket is clipped to the room left in the cache."""
+    encoder_decoder = loaded.model.is_encoder_decoder
+    rows = [prompting.encode(loaded.tokenizer, t, encoder_decoder=encoder_decoder) for t in texts]
     room = self.room(loaded)
-    longest = max(len(r) for r in rows)
-    return prompting.batch(rows, loaded.tokenizer.pad_id,
-                           room if room is not None and longest <= room else None)
+    rows = prompt_fit.fit(rows, texts, room, truncate=self.settings.truncate,
+                          encoder_decoder=encoder_decoder, bos=prompting.has_bos(loaded.tokenizer))
+    return prompting.batch(rows, loaded.tokenizer.pad_id, None if room is None else room.longest)
 
   def prepare(self, texts) -> Prompts:
     draft = self.draft_model
@@ -200,6 +226,12 @@ class Autoregressive(Method):
         mesh=self.mesh)
 
 
+def _positions(model) -> int | None:
+  """A decoder-only model's position table (None: rotary or relative positions, no bound)."""
+  return None if model.is_encoder_decoder else getattr(getattr(model, "config", None),
+                                                       "n_positions", None)
+
+
 def _load_pair(config, target_role: str, draft_role: str, mesh=None):
   return (load_placed(config, target_role, mesh, target=True),
           load_placed(config, draft_role, mesh, target=False))
@@ -236,6 +268,14 @@ class Speculative(Method):
     return cls(target=target, settings=builders.decode_settings(config), mesh=mesh, draft=draft,
                rule=builders.rule(config, **fixed))
 
+  def reserve(self, loaded: resolve.LoadedModel) -> tuple[int, int, str]:
+    """New tokens (a draft on another tokenizer: up to draft_image_width draft tokens each) and
+    one verify block of gamma (decoding/speculative.py sizes the caches so)."""
+    if loaded.model.is_encoder_decoder:
+      return 0, 0, ""
+    per_token = self.rule.draft_image_width if loaded is self.draft else 1
+    return per_token, self.settings.gamma, f"gamma {self.settings.gamma}"
+
   def generate(self, prompts: Prompts, key) -> Generation:
     s = self.settings
     return speculative.generate(
@@ -249,8 +289,20 @@ class Speculative(Method):
 class SprinterSettings:
   """The `rule` section of method sprinter."""
   verifier: str = ""         # a train.verifier workdir
-  threshold: float = -1.0    # < 0: the value saved with the verifier
-  gamma_max: int = -1        # < 0: the value saved with the verifier
+  threshold: float = -1.0    # -1: the value saved with the verifier
+  gamma_max: int = -1        # -1: the value saved with the verifier
+
+  def __post_init__(self):
+    check_sprinter(self.threshold, self.gamma_max, saved_ok=True)
+
+
+def check_sprinter(threshold: float, gamma_max: int, saved_ok: bool = False) -> None:
+  """A verifier score threshold in [0, 1] and gamma_max >= 0 (saved_ok: -1, use the saved one)."""
+  keep = " (or -1: the value saved with the verifier)" if saved_ok else ""
+  if not (0 <= threshold <= 1 or (saved_ok and threshold == -1)):
+    raise ValueError(f"threshold={threshold}: a verifier score threshold must be in [0, 1]{keep}")
+  if not (gamma_max >= 0 or (saved_ok and gamma_max == -1)):
+    raise ValueError(f"gamma_max={gamma_max}: consecutive verifier accepts must be >= 0{keep}")
 
 
 @register("sprinter")
@@ -273,11 +325,22 @@ class Sprinter(Method):
                         "run)")
     verifier, params, meta = sprinter_verifier.load(hp.verifier)
     threshold, gamma_max = sprinter_verifier.decode_settings(meta, hp.threshold, hp.gamma_max)
+    try:
+      check_sprinter(threshold, gamma_max)
+    except ValueError as err:
+      raise ConfigError(f"the verifier in {hp.verifier} was saved with {err}") from None
     mesh = mesh_from_config(config)
     target, draft = _load_pair(config, target_role, draft_role, mesh)
     return cls(target=target, settings=builders.decode_settings(config), mesh=mesh, draft=draft,
                verifier=verifier, verifier_params=params, threshold=threshold,
                gamma_max=gamma_max)
+
+  def reserve(self, loaded: resolve.LoadedModel) -> tuple[int, int, str]:
+    """New tokens and one target chunk of up to gamma_max + 1 (sprinter/loop.py)."""
+    if loaded.model.is_encoder_decoder:
+      return 0, 0, ""
+    chunk = min(self.gamma_max, self.settings.max_new_tokens - 1) + 1
+    return 1, chunk, f"a target chunk of gamma_max + 1 = {chunk}"
 
   def generate(self, prompts: Prompts, key) -> Generation:
     s = self.settings
@@ -317,6 +380,11 @@ class StringLevel(Method):
     target, draft = _load_pair(config, target_role, draft_role)
     return cls(target=target, settings=builders.decode_settings(config), draft=draft,
                method=method, max_depth=hp.max_depth)
+
+  def reserve(self, loaded: resolve.LoadedModel) -> tuple[int, int, str]:
+    """New tokens and a block of gamma + 1 (string_level.py grows its caches past this where the
+    position table allows)."""
+    return 1, self.settings.gamma + 1, f"gamma {self.settings.gamma} + 1"
 
   def generate(self, prompts: Prompts, key) -> Generation:
     s = self.settings

@@ -60,10 +60,10 @@ def formatted(method: methods.Method, prompts: list[str]) -> list[str]:
 def run(config, prompts: list[str]) -> dict:
   """`specjax.decode`'s report: per prompt its text, ids and statistics; totals; settings (with
   the devices decoding ran on). Every process of a multi-host run gets the same report."""
+  settings = builders.decode_settings(config)      # refused before any model is built
   method = methods.build(config)
-  settings = builders.decode_settings(config)
   key = jax.random.PRNGKey(settings.seed)
-  rows = generate_texts(method, prompts, key, max(settings.batch_size, 1), pad_batches=False)
+  rows = generate_texts(method, prompts, key, settings.batch_size, pad_batches=False)
   results = [{"prompt": p, "text": text, "tokens": ids, "stats": st} for p, ids, text, st in rows]
   return {"settings": {"mode": method.name, "label": method.label,
                        "devices": devices(method.mesh), **config.to_dict()},

@@ -21,7 +21,9 @@ def get_config():
   c.target = common.model("builtin:tiny/target", tokenizer="stdlib:bpe:2000")
   c.draft = common.model("builtin:tiny/draft_other_vocab", tokenizer="stdlib:unigram:8000")
   c.rule = common.rule("intersection")      # min_overlap: 0.05 by default
-  c.decode = common.decode()
+  # A target token can take several draft tokens (5 for this pair) and the draft's cache has
+  # 256 positions: 64 new tokens could need 5 * 64 + gamma of them before the prompt.
+  c.decode = common.decode(max_new_tokens=32)
   c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
   c.distributed = common.distributed()
   c.data = common.stdlib_lm_data()

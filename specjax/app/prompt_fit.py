@@ -1,0 +1,106 @@
+"""Prompts against the cache: how long a prompt may be, `decode.truncate=left`, and the refusal
+that says so in numbers.
+
+A model's cache holds `limit` positions (decode.max_len, else its position table); decoding
+reserves `per_token * max_new_tokens + fixed` of them after the prompt (a speculative block's
+gamma, a cross-tokenizer draft's several draft tokens per target token), so the longest prompt
+that fits is `limit - reserved`. Example: n_positions 256, max_new_tokens 64, gamma 4 (exact
+SD): 256 - (64 + 4) = 188 tokens; a draft on another tokenizer whose longest spelling of a target
+token is 5 draft tokens: 256 - (5 * 64 + 4) < 0, no prompt fits, and max_new_tokens may be at most
+(256 - 4 - n) // 5 for an n-token prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Room:
+  """One model's cache budget: positions, where that number comes from, and what decoding
+  reserves after the prompt (per_token * max_new_tokens + fixed)."""
+  model: str                     # "the target", "the draft"
+  limit: int
+  limit_from: str                # "--config.decode.max_len", "its n_positions"
+  max_new_tokens: int
+  per_token: int = 1             # cache positions one new token may take
+  fixed: int = 0                 # positions beyond the new tokens (a verify block)
+  fixed_from: str = ""           # "gamma 4"
+
+  @property
+  def reserved(self) -> int:
+    return self.per_token * self.max_new_tokens + self.fixed
+
+  @property
+  def longest(self) -> int:
+    """The longest prompt (in this model's tokens) that fits."""
+    return self.limit - self.reserved
+
+  def largest_max_new_tokens(self, prompt_len: int) -> int | None:
+    """The most new tokens that leave room for a prompt of prompt_len (None: any number)."""
+    if not self.per_token:
+      return None
+    return (self.limit - self.fixed - prompt_len) // self.per_token
+
+  def describe(self) -> str:
+    per = "" if self.per_token == 1 else (f" x {self.per_token} (the most {self.model}'s tokens "
+                                          f"one target token may take)")
+    fixed = f" + {self.fixed_from}" if self.fixed else ""
+    return (f"{self.model}'s cache holds {self.limit} positions ({self.limit_from}) and decoding "
+            f"reserves {self.reserved} of them (max_new_tokens {self.max_new_tokens}{per}{fixed})")
+
+
+class PromptTooLongError(ValueError):
+  """A prompt its model's cache cannot hold; the message gives both lengths and the fixes."""
+
+  def __init__(self, text: str, tokens: int, room: Room, keep_at_least: int):
+    self.tokens, self.room = tokens, room
+    fixes = []
+    if room.longest >= keep_at_least:
+      fixes = ["shorten the prompt",
+               f"pass --config.decode.truncate=left (keeps its last {room.longest} tokens)"]
+    most = room.largest_max_new_tokens(tokens)
+    if most is not None and most >= 1:
+      fixes.append(f"lower --config.decode.max_new_tokens (at most {most} for this prompt)")
+    if room.limit_from.startswith("--config"):
+      fixes.append(f"raise {room.limit_from}")
+    elif most is not None and most < 1:
+      fixes.append("use a model with a longer position table")
+    fits = (f"the longest prompt that fits is {room.longest} tokens" if room.longest > 0
+            else "no prompt fits")
+    super().__init__(f"prompt {_quote(text)} has {tokens} tokens for {room.model}; "
+                     f"{room.describe()}, so {fits}: {', or '.join(fixes)}")
+
+
+def _quote(text: str, width: int = 30) -> str:
+  return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def fit(rows: list[list[int]], texts, room: Room | None, *, truncate: str,
+        encoder_decoder: bool, bos: bool) -> list[list[int]]:
+  """Rows that fit `room`: unchanged, cut on the left (truncate='left'; a decoder-only row keeps
+  its BOS, an encoder row its final EOS), or refused with PromptTooLongError.
+
+  Example (decoder-only, BOS 3, room 3): [3, 7, 8, 9, 10] -> [3, 9, 10] (2 tokens dropped)."""
+  if room is None:
+    return rows
+  head = int(bos and not encoder_decoder)            # a decoder-only row's BOS stays first
+  keep = 2 if (head or encoder_decoder) else 1       # its marker (BOS / EOS) and one text token
+  out = []
+  for row, text in zip(rows, texts):
+    if len(row) > room.longest and (truncate != "left" or room.longest < keep):
+      raise PromptTooLongError(text, len(row), room, keep)
+    out.append(row if len(row) <= room.longest else _cut_left(row, room, head, text))
+  return out
+
+
+def _cut_left(row: list[int], room: Room, head: int, text: str) -> list[int]:
+  """The first `head` tokens (a BOS) and the last ones that fit; the cut is logged."""
+  kept = row[:head] + row[len(row) - (room.longest - head):]
+  log.warning("prompt %s: dropped the first %d of its %d tokens to fit %s's cache "
+              "(--config.decode.truncate=left)", _quote(text), len(row) - len(kept), len(row),
+              room.model)
+  return kept

@@ -18,10 +18,21 @@ so far). A completion is cut before the first line that starts a new top-level s
 time limit, a memory limit and no network; a completion that loops forever or allocates without
 bound is killed or fails there and counts as a failure, and the evaluation goes on.
 pass@1 is the fraction of problems whose tests pass (one completion per problem).
+
+--methods sweeps several methods over the same problems with the models loaded once (the config
+must name a draft): `target` (target alone), `draft` (draft alone), or an acceptance rule with
+its hyperparameters, `NAME[:FIELD=VALUE[:FIELD=VALUE]]`, e.g.
+
+    python -m eval.humaneval --config qwen_coder.py --limit 8 --config.decode.batch_size=8 \
+        --methods target,draft,exact,greedy,lenient:eps=0.5,fuzzy:threshold=0.3,adaptive
+
+Each method's line says whether its completions equal the first method's (under greedy decoding
+exact SD must give the target's own completions), and a markdown table ends the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -32,7 +43,7 @@ from pathlib import Path
 import jax
 
 from eval import sandbox
-from specjax.app import builders, cli, methods, runner
+from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import ConfigError, load_config
 from specjax.models import prompting
 
@@ -51,6 +62,9 @@ def parse_args(argv):
   p.add_argument("--batch_size", type=int, default=0, help="0: the config's decode.batch_size")
   p.add_argument("--timeout_s", type=float, default=10.0, help="per problem's tests")
   p.add_argument("--memory_mb", type=int, default=1024, help="address space of a test run")
+  p.add_argument("--methods", default="",
+                 help="comma-separated methods on the same models: target, draft, or "
+                      "RULE[:FIELD=VALUE...] (default: the config's method alone)")
   p.add_argument("--output_json")
   return cli.parse(p, argv)
 
@@ -131,31 +145,101 @@ def report(config_name: str, method, records: list[dict], decoded: list[dict],
           "results": [{**r, "tokens": d["tokens"]} for r, d in zip(records, decoded)]}
 
 
+def parse_methods(text: str) -> list[tuple[str, list[str]]]:
+  """'target,lenient:eps=0.5' -> [("target", []), ("lenient", ["--config.rule.name=lenient",
+  "--config.rule.eps=0.5"])]: each rule's config overrides."""
+  out = []
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    name, *fields = item.split(":")
+    if name in ("target", "draft"):
+      if fields:
+        raise ConfigError(f"--methods {item}: {name} takes no fields")
+      out.append((name, []))
+      continue
+    bad = [f for f in fields if "=" not in f]
+    if bad:
+      raise ConfigError(f"--methods {item}: write rule fields as FIELD=VALUE (got {bad[0]!r})")
+    out.append((item, [f"--config.rule.name={name}"] + [f"--config.rule.{f}" for f in fields]))
+  return out
+
+
+def sweep(config_name: str, overrides: list[str], items) -> list:
+  """The methods of --methods on one pair of loaded models: the target or the draft alone
+  (autoregressive), or speculative decoding under each rule."""
+  base = methods.build(load_config(config_name, overrides))
+  if not isinstance(base, methods.Speculative):
+    raise ConfigError("--methods needs a config with a draft (--config.draft.checkpoint)")
+  out = []
+  for name, rule_overrides in items:
+    if name == "target":
+      out.append(base.target_only())
+    elif name == "draft":
+      out.append(methods.Autoregressive(target=base.draft, settings=base.settings, mesh=base.mesh))
+    else:
+      rule = builders.rule(load_config(config_name, overrides + rule_overrides))
+      out.append(dataclasses.replace(base, rule=rule))
+  return out
+
+
+def run_method(method, problems, args, settings) -> dict:
+  """Decode, test and report one method; prints a line per problem and a summary line."""
+  decoded, seconds = decode(method, problems, settings.seed,
+                            args.batch_size or max(settings.batch_size, 1), args.max_new_tokens,
+                            args.chunk_tokens or args.max_new_tokens)
+  limits = sandbox.Limits(timeout_s=args.timeout_s, memory_mb=args.memory_mb)
+  records = evaluate(problems, [d["text"] for d in decoded], limits)
+  for r in records:
+    print(f"{r['task_id']}: {r['result']}", flush=True)
+  out = report(args.config, method, records, decoded, seconds)
+  print(f"{out['method']}: pass@1 {out['passed']}/{out['problems']} = {out['pass@1']:.3f}; "
+        f"{out['tokens']} tokens in {seconds:.1f} s ({out['ms_per_token']:.1f} ms/token, "
+        f"incl. compile)" + _sd_stats(out["stats"]), flush=True)
+  return out
+
+
+def label(method, item: str) -> str:
+  """A sweep item's name: target / draft as given, a rule with its fields (lenient:eps=0.5)."""
+  return item if ":" in item or item in ("target", "draft") else method.label
+
+
+def table(reports: list[dict]) -> str:
+  """Markdown: pass@1, speed, alpha / tau, and completions equal to the first method's."""
+  first = [r["completion"] for r in reports[0]["results"]]
+  lines = ["| method | pass@1 | tokens | ms/token (incl. compile) | alpha | tau | "
+           f"same completions as {reports[0]['method']} |", "|---|---|---|---|---|---|---|"]
+  for r in reports:
+    same = sum(a["completion"] == b for a, b in zip(r["results"], first))
+    st = r["stats"]
+    alpha = f"{st['acceptance_rate']:.3f}" if "acceptance_rate" in st else "-"
+    tau = f"{st['block_efficiency']:.2f}" if "block_efficiency" in st else "-"
+    lines.append(f"| {r['method']} | {r['passed']}/{r['problems']} = {r['pass@1']:.3f} | "
+                 f"{r['tokens']} | {r['ms_per_token']:.1f} | {alpha} | {tau} | "
+                 f"{same}/{len(first)} |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
 
   def go():
     cli.setup()
+    out_path = args.output_json and outputs.check_output_file(args.output_json, "--output_json")
+    items = parse_methods(args.methods)
     config = load_config(args.config, overrides)
     problems = load_problems(problems_file(args.problems), args.limit)
     settings = builders.decode_settings(config)
-    method = methods.build(config)
-    decoded, seconds = decode(method, problems, settings.seed,
-                              args.batch_size or max(settings.batch_size, 1), args.max_new_tokens,
-                              args.chunk_tokens or args.max_new_tokens)
-    limits = sandbox.Limits(timeout_s=args.timeout_s, memory_mb=args.memory_mb)
-    records = evaluate(problems, [d["text"] for d in decoded], limits)
-    for r in records:
-      print(f"{r['task_id']}: {r['result']}", flush=True)
-    out = report(args.config, method, records, decoded, seconds)
-    out.update(max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens,
-               overrides=list(overrides))
-    print(f"{out['method']}: pass@1 {out['passed']}/{out['problems']} = {out['pass@1']:.3f}; "
-          f"{out['tokens']} tokens in {seconds:.1f} s ({out['ms_per_token']:.1f} ms/token, "
-          f"incl. compile)" + _sd_stats(out["stats"]))
-    if args.output_json:
-      with open(args.output_json, "w") as f:
-        json.dump(out, f, indent=2, default=str)
+    chosen = sweep(args.config, overrides, items) if items else [methods.build(config)]
+    names = [i for i, _ in items] or [chosen[0].label]
+    reports = []
+    for method, item in zip(chosen, names):
+      out = run_method(method, problems, args, settings)
+      out.update(method=label(method, item), max_new_tokens=args.max_new_tokens,
+                 chunk_tokens=args.chunk_tokens, overrides=list(overrides))
+      reports.append(out)
+    if len(reports) > 1:
+      print(table(reports), flush=True)
+    if out_path:
+      outputs.write_json(out_path, reports if items else reports[0])
 
   return cli.run("eval.humaneval", go)
 

@@ -126,3 +126,45 @@ def test_cli_reports_pass_at_1(problems, tmp_path, monkeypatch, capsys):
   assert "stub: pass@1 1/2 = 0.500" in capsys.readouterr().out
   report = json.loads(out.read_text())
   assert report["pass@1"] == 0.5 and [r["passed"] for r in report["results"]] == [True, False]
+
+
+def test_methods_flag_parses_rules_and_refuses_bad_fields():
+  assert humaneval.parse_methods("target, draft,lenient:eps=0.5:kind=sq") == [
+      ("target", []), ("draft", []),
+      ("lenient:eps=0.5:kind=sq",
+       ["--config.rule.name=lenient", "--config.rule.eps=0.5", "--config.rule.kind=sq"])]
+  with pytest.raises(humaneval.ConfigError, match="FIELD=VALUE"):
+    humaneval.parse_methods("fuzzy:0.3")
+  with pytest.raises(humaneval.ConfigError, match="takes no fields"):
+    humaneval.parse_methods("target:x=1")
+
+
+def test_sweep_table_counts_completions_equal_to_the_first_method():
+  def fake(method, texts, passed, stats):
+    return {"method": method, "passed": sum(passed), "problems": len(passed),
+            "pass@1": sum(passed) / len(passed), "tokens": 10, "ms_per_token": 2.0,
+            "stats": stats, "results": [{"completion": t} for t in texts]}
+  text = humaneval.table([fake("target", ["a", "b"], [1, 0], {}),
+                          fake("exact", ["a", "b"], [1, 0],
+                               {"acceptance_rate": 0.9, "block_efficiency": 3.5}),
+                          fake("lenient:eps=0.1", ["a", "c"], [1, 1],
+                               {"acceptance_rate": 0.95, "block_efficiency": 3.8})])
+  rows = text.splitlines()
+  assert rows[2].endswith("| - | - | 2/2 |")
+  assert "| exact | 1/2 = 0.500 |" in rows[3] and rows[3].endswith("| 0.900 | 3.50 | 2/2 |")
+  assert rows[4].endswith("| 0.950 | 3.80 | 1/2 |")
+
+
+def test_sweep_loads_the_models_once_and_swaps_rules(monkeypatch):
+  from specjax.app import builders, methods
+  built = []
+  base = methods.Speculative(target="T", settings=builders.DecodeSettings(), draft="D")
+  monkeypatch.setattr(humaneval.methods, "build", lambda config: built.append(config) or base)
+  chosen = humaneval.sweep("tiny.py", [], humaneval.parse_methods(
+      "target,draft,exact,lenient:eps=0.25"))
+  assert len(built) == 1
+  assert [type(m).__name__ for m in chosen] == ["Autoregressive", "Autoregressive",
+                                                "Speculative", "Speculative"]
+  assert chosen[0].target == "T" and chosen[1].target == "D"
+  assert chosen[2].rule.rule_name == "exact" and chosen[3].rule.eps == 0.25
+  assert all(m.settings is base.settings for m in chosen)

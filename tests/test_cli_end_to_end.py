@@ -165,6 +165,10 @@ def test_bad_inputs_fail_cleanly(pair):
   assert all(name in nope.stderr for name in ("exact", "greedy", "lenient", "fuzzy"))
   assert too_long.returncode != 0 and "Traceback" not in too_long.stderr
   assert "max_len" in too_long.stderr and "24" in too_long.stderr
+  # 24 positions - max_new_tokens 8 - gamma 4; the prompt's own length in tokens, then the fixes
+  assert "the longest prompt that fits is 12 tokens" in too_long.stderr
+  assert re.search(r"has \d+ tokens for the target", too_long.stderr), too_long.stderr
+  assert "--config.decode.truncate=left" in too_long.stderr
   assert "stats:" not in too_long.stdout
 
 

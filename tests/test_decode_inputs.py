@@ -258,7 +258,8 @@ def test_a_cross_tokenizer_draft_gets_the_largest_max_new_tokens_that_fits():
     spec.prepare(["abc"])
   message = str(err.value)
   assert "for the draft" in message and "reserves 84 of them" in message
-  assert "x 5" in message and "no prompt fits" in message
+  assert "holds 64 positions (its n_positions)" in message
+  assert "each up to 5 draft tokens" in message and "no prompt fits" in message
   assert "at most 11 for this prompt" in message and "truncate" not in message
   fits = dataclasses.replace(spec, settings=_settings(max_new_tokens=11))
   assert fits.prepare(["abc"]).draft.lengths.tolist() == [4]

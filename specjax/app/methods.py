@@ -155,7 +155,7 @@ class Method:
     tables = [(n, m) for m in self.models() if (n := _positions(m.model)) is not None]
     if not tables:
       return None
-    n, owner = min(tables, key=lambda t: t[0])
+    n, owner = min(tables, key=lambda t: (t[0], t[1] is not loaded))   # a tie names its own
     return n, "its n_positions" if owner is loaded else f"{self.role(owner)}'s n_positions"
 
   def reserve(self, loaded: resolve.LoadedModel) -> tuple[int, int, str]:

@@ -46,8 +46,7 @@ class Room:
     return (self.limit - self.fixed - prompt_len) // self.per_token
 
   def describe(self) -> str:
-    per = "" if self.per_token == 1 else (f" x {self.per_token} (the most {self.model}'s tokens "
-                                          f"one target token may take)")
+    per = "" if self.per_token == 1 else f", each up to {self.per_token} draft tokens,"
     fixed = f" + {self.fixed_from}" if self.fixed else ""
     return (f"{self.model}'s cache holds {self.limit} positions ({self.limit_from}) and decoding "
             f"reserves {self.reserved} of them (max_new_tokens {self.max_new_tokens}{per}{fixed})")
@@ -71,8 +70,9 @@ class PromptTooLongError(ValueError):
       fixes.append("use a model with a longer position table")
     fits = (f"the longest prompt that fits is {room.longest} tokens" if room.longest > 0
             else "no prompt fits")
+    fixes = ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
     super().__init__(f"prompt {_quote(text)} has {tokens} tokens for {room.model}; "
-                     f"{room.describe()}, so {fits}: {', or '.join(fixes)}")
+                     f"{room.describe()}, so {fits}: {fixes}")
 
 
 def _quote(text: str, width: int = 30) -> str:

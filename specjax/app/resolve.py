@@ -46,23 +46,47 @@ def load(spec: builders.ModelSpec) -> LoadedModel:
   """Weights in the section's layer layout (`layers`; `init_from` then loads params of that
   layout, if set) and tokenizer of a section with a checkpoint."""
   path = checkpoint_dir(spec)
+  hf_config = hf_import.read_config(path / "config.json")
+  check_arch(spec, hf_config.get("model_type"), path)
+  tokenizer = load_tokenizer(spec, path)
+  check_vocab(spec, hf_config.get("vocab_size"), tokenizer)       # before any weight is read
   model, params = hf_import.load_model(str(path), spec.dtype,
                                        scan_layers=layers.scan_layers(spec.layers))
+  check_vocab(spec, model.vocab_size, tokenizer)
   params = builders.with_init_from(spec, params)
-  return LoadedModel(model=model, params=jax.device_put(params),
-                     tokenizer=load_tokenizer(spec, path), path=path)
+  return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tokenizer, path=path)
 
 
-def load_tokenizer(spec: builders.ModelSpec, path: Path):
-  """`spec.tokenizer` if set, else the checkpoint's own: spm.model or the HF tokenizer files."""
-  own = path / zoo.SPM_FILE
-  return get_tokenizer(spec.tokenizer or (str(own) if own.exists() else str(path)))
+# builders.ARCHS name -> the HF model_type of checkpoints of that architecture.
+_ARCH_MODEL_TYPES = {"decoder": ("gpt2",), "t5": ("t5",)}
 
 
-def build_model(spec: builders.ModelSpec, seed: int):
-  """(model, params) for training: a checkpoint's weights, or a model built from the section's
-  fields with random init (PRNGKey(seed)); `init_from` then replaces the params."""
-  if spec.checkpoint:
-    loaded = load(spec)
-    return loaded.model, loaded.params
-  return builders.init_model(spec, seed)
+def check_arch(spec: builders.ModelSpec, found: str | None, path: Path) -> None:
+  """A section naming an architecture (`arch`) must not silently load a checkpoint of another
+  (found: the checkpoint's model_type)."""
+  if not spec.arch:
+    return
+  if found not in _ARCH_MODEL_TYPES.get(spec.arch, ()):
+    raise ValueError(f"--config.{spec.role}.arch={spec.arch} expects a "
+                     f"{'/'.join(_ARCH_MODEL_TYPES.get(spec.arch, (spec.arch,)))} checkpoint, but "
+                     f"{path} holds model_type '{found}': drop arch (a checkpoint's config.json "
+                     f"decides the architecture) or point checkpoint at a {spec.arch} model")
+
+
+class VocabMismatchError(ValueError):
+  """A tokenizer with more tokens than its model's embedding has rows."""
+
+
+def check_vocab(spec: builders.ModelSpec, rows, tokenizer) -> None:
+  """Refuse a tokenizer that can produce ids past the model's embedding table (`rows`; they
+  would read past it, or be clipped silently). A larger embedding is fine: Qwen pads it to a
+  round size."""
+  if not isinstance(rows, int) or tokenizer.vocab_size <= rows:
+    return
+  fix = (f"--config.{spec.role}.tokenizer={spec.tokenizer} belongs to another model: unset it or "
+         f"name the checkpoint's own" if spec.tokenizer else
+         f"the checkpoint's tokenizer files and weights come from different models")
+  raise VocabMismatchError(
+      f"the {spec.role}'s tokenizer ({getattr(tokenizer, 'path', '?')}) has "
+      f"{tokenizer.vocab_size} tokens but the {spec.role} model's embedding table has "
+      f"{rows} rows: {fix}")

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.decoding import sharded
-from specjax.decoding.state import Generation, SpecState, SpecStats, finish, write_rows
+from specjax.decoding.state import (TARGET, Generation, SpecState, SpecStats, check_finite, finish,
+                                    nonfinite_rows, write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -71,6 +72,8 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   key: one PRNG key (row b uses fold_in(key, b)) or per-row keys [B]. max_len: cache size
   (default: just enough); checked on the host before anything is compiled. mesh: a ('data',
   'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one device.
+  Raises NonFiniteLogitsError if the model's logits held NaN / inf (instead of returning the
+  tokens sampled from them).
   """
   check_lengths(max_new_tokens, prompt)
   need = prompting.prefix_len(model, prompt) + max_new_tokens      # done rows still extend by one
@@ -79,8 +82,10 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
   setup = Setup(model, warp, eos_value(eos_id), max_new_tokens, max_len, mesh)
   if mesh is not None:
-    return sharded.generate(loop, setup, (model,), (params,), (prompt,), keys, max_new_tokens)
-  return finish(_run(setup, params, prompt, keys), max_new_tokens)
+    gen = sharded.generate(loop, setup, (model,), (params,), (prompt,), keys, max_new_tokens)
+  else:
+    gen = finish(_run(setup, params, prompt, keys), max_new_tokens)
+  return check_finite(gen, model)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -113,7 +118,8 @@ def _init(setup: Setup, params, prompt, keys) -> SpecState:
       lengths=ones, done=(first == setup.eos) | (max_new <= 1),
       last_two=jnp.stack([stream_anchor(model, prompt), first], axis=1),
       target_cache=cache, draft_cache=None, rule_state=(), key=keys,
-      stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones))
+      stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones)
+      .flag(TARGET, nonfinite_rows(logits)))
 
 
 def _step(model, warp, eos, max_new, params, s: SpecState) -> SpecState:
@@ -128,4 +134,5 @@ def _step(model, warp, eos, max_new, params, s: SpecState) -> SpecState:
   return s.replace(
       tokens=write_rows(s.tokens, write_at, token), lengths=lengths, done=done,
       last_two=jnp.where(live[:, None], shifted, s.last_two), target_cache=cache,
-      stats=s.stats.add(blocks=live, emitted=live, target_passes=live))
+      stats=s.stats.add(blocks=live, emitted=live, target_passes=live)
+      .flag(TARGET, live & nonfinite_rows(logits)))

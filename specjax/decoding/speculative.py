@@ -33,7 +33,8 @@ from specjax import sampling
 from specjax.acceptance import base, registry
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
-from specjax.decoding.state import Generation, SpecState, SpecStats, finish, write_rows
+from specjax.decoding.state import (DRAFT, TARGET, Generation, SpecState, SpecStats,
+                                    check_finite, finish, nonfinite_rows, write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -71,7 +72,7 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   cache size of both models (default: just enough). debug=True runs the same block function from
   a Python loop, one jitted call per block (wrap the call in `jax.disable_jit()` to run eagerly).
   mesh: a ('data', 'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one
-  device.
+  device. Raises NonFiniteLogitsError if either model's logits held NaN / inf.
   """
   setup = _validate(target, draft, prompt, draft_prompt, rule=rule, gamma=gamma,
                     max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
@@ -81,13 +82,14 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   if mesh is not None:
     if debug:
       raise ValueError("debug=True steps the loop on one device: leave mesh unset to debug")
-    return sharded.generate(loop, setup, (target, draft), (target_params, draft_params),
-                            (prompt, draft_prompt), keys, max_new_tokens)
+    gen = sharded.generate(loop, setup, (target, draft), (target_params, draft_params),
+                           (prompt, draft_prompt), keys, max_new_tokens)
+    return check_finite(gen, target, draft)
   if debug:
     state = _run_python(setup, target_params, draft_params, prompt, draft_prompt, keys)
   else:
     state = run(setup, target_params, draft_params, prompt, draft_prompt, keys)
-  return finish(state, max_new_tokens)
+  return check_finite(finish(state, max_new_tokens), target, draft)
 
 
 def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_tokens, warp, eos_id,
@@ -172,7 +174,7 @@ def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
       last_two=jnp.stack([ar.stream_anchor(target, prompt), first], axis=1),
       target_cache=tcache, draft_cache=dcache, rule_state=setup.rule.init_state(batch), key=keys,
       stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones,
-                                       draft_passes=ones))
+                                       draft_passes=ones).flag(TARGET, nonfinite_rows(logits)))
   return state, anchors
 
 
@@ -181,10 +183,11 @@ def block(setup: Setup, target_params, draft_params, anchors: Anchors, s: SpecSt
   live = ~s.done                                                          # [B]
   block_keys = sampling.position_keys(s.key, s.lengths)
   d = _draft(setup, draft_params, anchors, s, live, sampling.fold_rows(block_keys, 0))
-  n, next_token, rule_state, tcache = _verify(setup, target_params, s, d, live,
-                                              sampling.fold_rows(block_keys, 1))
+  n, next_token, rule_state, tcache, bad = _verify(setup, target_params, s, d, live,
+                                                   sampling.fold_rows(block_keys, 1))
   n = jnp.minimum(n, d.draft_len)
-  s = s.replace(target_cache=tcache, draft_cache=d.cache,
+  stats = s.stats.flag(TARGET, live & bad).flag(DRAFT, live & d.nonfinite)
+  s = s.replace(target_cache=tcache, draft_cache=d.cache, stats=stats,
                 rule_state=setup.rule.select_rows(live, rule_state, s.rule_state))
   return _commit(setup, anchors, s, live, d, n, next_token)
 
@@ -202,7 +205,8 @@ def verify_widths(setup: Setup) -> tuple[int, ...]:
 def _verify(setup: Setup, params, s: SpecState, d: _Drafts, live, keys):
   """One target pass over [pending token, d_0 .. d_{K-1}] and the rule's verdict.
 
-  Returns (n accepted [B], next token [B], rule_state, target cache). With several verify widths
+  Returns (n accepted [B], next token [B], rule_state, target cache, [B] non-finite target
+  logits). With several verify widths
   the pass and the rule run at the narrowest width that holds every live row's drafts (a
   lax.switch over static widths): row results do not depend on the width (the rule's uniforms are
   per draft, see base.verify_streams), so batch rows still equal single-row runs.
@@ -214,26 +218,27 @@ def _verify(setup: Setup, params, s: SpecState, d: _Drafts, live, keys):
   def at_width(width):
     def run(feed, cache):
       p_logits, _, (k, v) = setup.target.extend_entries(params, feed[:, :width], cache)
+      bad = nonfinite_rows(p_logits)                                     # [B]
       p_logp = setup.rule.p_log_probs(p_logits, setup.warp)              # [B, width, V]
       n, token, rule_state = setup.rule.verify(d.tokens[:, :width - 1], d.draft_len,
                                                d.q_logp[:, :width - 1], p_logp, keys,
                                                s.rule_state)
       pad = ((0, 0), (0, 0), (0, full - width), (0, 0), (0, 0))
       k, v = jnp.pad(k, pad), jnp.pad(v, pad)                            # [L, B, K+1, H, Dh]
-      return n.astype(jnp.int32), token.astype(jnp.int32), rule_state, (k, v)
+      return n.astype(jnp.int32), token.astype(jnp.int32), rule_state, (k, v), bad
     return run
 
   widths = verify_widths(setup)
   if len(widths) == 1:
-    n, token, rule_state, (k, v) = at_width(full)(feed, s.target_cache)
+    n, token, rule_state, (k, v), bad = at_width(full)(feed, s.target_cache)
   else:
     # The branches only read the cache; written inside them it would be copied whole, twice.
     need = jnp.max(jnp.where(live, d.draft_len, 0)) + 1
     index = jnp.searchsorted(jnp.asarray(widths), need)                  # first width >= need
-    n, token, rule_state, (k, v) = jax.lax.switch(index, [at_width(w) for w in widths], feed,
-                                                  s.target_cache)
+    n, token, rule_state, (k, v), bad = jax.lax.switch(index, [at_width(w) for w in widths],
+                                                       feed, s.target_cache)
   # Entries past a row's width are zeros past its drafts: _commit's rollback drops them.
-  return n, token, rule_state, kv_cache.append(s.target_cache, k, v)
+  return n, token, rule_state, kv_cache.append(s.target_cache, k, v), bad
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -245,6 +250,7 @@ class _Drafts:
   draft_len: jax.Array   # [B]
   active: jax.Array      # [B] still drafting
   passes: jax.Array      # [B] draft forward passes this block
+  nonfinite: jax.Array   # [B] a draft pass of this block gave NaN / +inf logits
   cache: kv_cache.KVCache
 
 
@@ -266,7 +272,7 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
   d = _Drafts(step=jnp.int32(0), q=q, tokens=jnp.zeros((batch, K), jnp.int32),
               q_logp=jnp.zeros((batch, K, vocab), jnp.float32),
               draft_len=jnp.zeros((batch,), jnp.int32), active=live,
-              passes=live.astype(jnp.int32), cache=cache)
+              passes=live.astype(jnp.int32), nonfinite=nonfinite_rows(logits), cache=cache)
   fixed = not rule.variable_length
   unrolled = fixed and K <= UNROLL_MAX_GAMMA
   # Variable windows stop where nothing more could be committed: the block also emits a
@@ -278,7 +284,8 @@ def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> 
     prev = rule.to_draft_ids(jnp.take(d.tokens, d.step - 1, axis=1))[:, None]   # [B, 1]
     logits, _, cache = model.extend(params, prev, d.cache)
     d = d.replace(q=rule.q_log_probs(logits[:, 0], setup.warp), cache=cache,
-                  passes=d.passes + d.active)
+                  passes=d.passes + d.active,
+                  nonfinite=d.nonfinite | (d.active & nonfinite_rows(logits)))
     return decide(d)
 
   if unrolled:

@@ -15,6 +15,29 @@ from specjax.models.kv_cache import KVCache
 STAT_FIELDS = ("blocks", "drafted", "accepted", "verified", "emitted", "target_passes",
                "draft_passes")
 
+# SpecStats.nonfinite bits: which model's logits held NaN or +inf at some pass of the row.
+TARGET, DRAFT = 1, 2
+_ROLES = {TARGET: "target", DRAFT: "draft"}
+
+
+class NonFiniteLogitsError(ValueError):
+  """A model produced NaN / inf logits while decoding; carries the `role` and the `rows`."""
+
+  def __init__(self, role: str, model, rows: list[int]):
+    dtype = getattr(getattr(model, "dtype", None), "__name__", None) or str(
+        getattr(model, "dtype", "?"))
+    super().__init__(
+        f"the {role} model ({type(model).__name__}, {dtype} weights) produced non-finite logits "
+        f"(NaN or inf) in rows {rows}: likely a float16 overflow or damaged weights; load it "
+        f"with dtype=float32 or bfloat16, or check the checkpoint")
+    self.role, self.rows = role, rows
+
+
+def nonfinite_rows(logits: jax.Array) -> jax.Array:
+  """[B] True where a row of logits [B, ...] holds NaN or +inf: one compare and one reduction
+  (-inf is a legitimate logit: a masked token)."""
+  return jnp.any(~(logits < jnp.inf), axis=tuple(range(1, logits.ndim)))
+
 
 @flax.struct.dataclass(kw_only=True)
 class SpecStats:
@@ -33,14 +56,19 @@ class SpecStats:
   emitted: jax.Array         # [B] tokens committed (== Generation.lengths)
   target_passes: jax.Array   # [B] target forward passes (prefill + one extend per block)
   draft_passes: jax.Array    # [B] draft forward passes (prefill + drafting steps)
+  nonfinite: jax.Array       # [B] int32 bits TARGET | DRAFT: that model's logits were NaN/+inf
 
   @classmethod
   def zeros(cls, batch: int) -> "SpecStats":
-    return cls(**{f: jnp.zeros((batch,), jnp.int32) for f in STAT_FIELDS})
+    return cls(**{f: jnp.zeros((batch,), jnp.int32) for f in STAT_FIELDS + ("nonfinite",)})
 
   def add(self, **increments) -> "SpecStats":
     return self.replace(**{f: getattr(self, f) + jnp.asarray(v, jnp.int32)
                            for f, v in increments.items()})
+
+  def flag(self, bit: int, rows: jax.Array) -> "SpecStats":
+    """Set `bit` (TARGET or DRAFT) in the rows where `rows` [B] is True."""
+    return self.replace(nonfinite=self.nonfinite | jnp.where(rows, bit, 0).astype(jnp.int32))
 
   def alpha_per_row(self) -> jax.Array:
     """[B] acceptance rate accepted / verified (nan where nothing was verified)."""
@@ -99,6 +127,17 @@ class Generation:
   tokens: jax.Array          # [B, N] int32 generated tokens, 0 after each row's end
   lengths: jax.Array         # [B] int32 tokens generated, EOS included
   stats: SpecStats
+
+
+def check_finite(gen: "Generation", target, draft=None) -> "Generation":
+  """gen, or NonFiniteLogitsError naming the model whose logits held NaN / inf (the target
+  first). A host read of [B] flags, once per generation, after the loop."""
+  flags = np.asarray(gen.stats.nonfinite)
+  for bit, model in ((TARGET, target), (DRAFT, draft)):
+    rows = np.nonzero(flags & bit)[0].tolist()
+    if rows:
+      raise NonFiniteLogitsError(_ROLES[bit], model, rows)
+  return gen
 
 
 def write_rows(buffer: jax.Array, at: jax.Array, values: jax.Array) -> jax.Array:

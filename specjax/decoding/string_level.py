@@ -32,10 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling
-from specjax.decoding.state import SpecStats
+from specjax.decoding.state import DRAFT, TARGET, SpecStats, check_finite, nonfinite_rows
 from specjax.models import kv_cache, prompting
 
 MAX_CANDIDATES = 31          # a verify pass covers at most this many candidates (bucket 32)
+STAT_KEYS = ("blocks", "drafted", "accepted", "verified", "emitted", "target_passes",
+             "draft_passes")
 
 
 # ---------------------------------------------------------------------------- alignment (host)
@@ -132,10 +134,12 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _feed(model, params, cache, feed, start, count):
-  """Write feed [1, W] at `start`, keep `count` entries; logits [W, V] of every fed position."""
+  """Write feed [1, W] at `start`, keep `count` entries; logits [W, V] of every fed position,
+  and whether they hold NaN / +inf."""
   cache = kv_cache.rollback(cache, jnp.reshape(start, (1,)))
   logits, _, cache = model.extend(params, feed, cache)
-  return logits[0], kv_cache.rollback(cache, jnp.reshape(start + count, (1,)))
+  return (logits[0], kv_cache.rollback(cache, jnp.reshape(start + count, (1,))),
+          nonfinite_rows(logits)[0])
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -149,16 +153,18 @@ def _sample_positions(warp, logits, first, row_key, g):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _draft_steps(model, warp, k, params, cache, last_logits, key):
-  """Sample d_1 from last_logits, then k-1 more draft steps; d_k is sampled but not fed."""
+  """Sample d_1 from last_logits, then k-1 more draft steps; d_k is sampled but not fed.
+  Returns (tokens [k], cache, whether a step's logits held NaN / +inf)."""
   keys = jax.vmap(lambda s: jax.random.fold_in(key, s))(jnp.arange(k, dtype=jnp.uint32))
   tokens = jnp.zeros((k,), jnp.int32).at[0].set(warp.sample(last_logits[None], keys[:1])[0])
 
   def body(j, carry):
-    tokens, cache = carry
+    tokens, cache, bad = carry
     logits, _, cache = model.extend(params, tokens[j - 1].reshape(1, 1), cache)
-    return tokens.at[j].set(warp.sample(logits[:, 0], keys[j][None])[0]), cache
+    bad = bad | nonfinite_rows(logits)[0]
+    return tokens.at[j].set(warp.sample(logits[:, 0], keys[j][None])[0]), cache, bad
 
-  return jax.lax.fori_loop(1, k, body, (tokens, cache))
+  return jax.lax.fori_loop(1, k, body, (tokens, cache, jnp.bool_(False)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -169,7 +175,7 @@ def _tree_logprobs(model, warp, params, cache, feed, count):
   cache = jax.tree_util.tree_map(tile, cache)
   logits, _, _ = model.extend(params, feed, cache)
   last = jnp.take_along_axis(logits, (count - 1)[:, None, None], axis=1)[:, 0]
-  return warp.log_probs(last)
+  return warp.log_probs(last), jnp.any(nonfinite_rows(last))
 
 
 @dataclasses.dataclass
@@ -194,6 +200,20 @@ class ModelBackend:
     self.d_cache = self.draft.init_cache(1, self.max_len)
     self.t_seen: list[int] = []
     self.d_seen: list[int] = []
+    self.nonfinite = jnp.int32(0)     # TARGET | DRAFT bits, kept on the device until `check`
+
+  def _flag(self, bit: int, bad) -> None:
+    self.nonfinite = self.nonfinite | jnp.where(bad, bit, 0).astype(jnp.int32)
+
+  def stats_flags(self) -> jax.Array:
+    """[1] the non-finite bits as SpecStats.nonfinite holds them."""
+    return jnp.reshape(self.nonfinite, (1,))
+
+  def check(self) -> None:
+    """NonFiniteLogitsError if a model's logits held NaN / inf (a host read)."""
+    stats = SpecStats(**{k: jnp.zeros((1,), jnp.int32) for k in STAT_KEYS},
+                      nonfinite=self.stats_flags())
+    check_finite(StringGeneration(tokens=None, text="", stats=stats), self.target, self.draft)
 
   def _sync(self, which: str, stream: list[int], extra: list[int] = ()):
     """Rewind `which` to its common prefix with stream (feeding at least stream's last token),
@@ -207,7 +227,8 @@ class ModelBackend:
     kv_cache.check_capacity(c + width, self.max_len, "string-level stream + padded block "
                             "(pass a larger max_len)")
     feed = jnp.asarray([fed + [0] * (width - len(fed))], jnp.int32)
-    logits, cache = _feed(model, params, cache, feed, jnp.int32(c), jnp.int32(len(fed)))
+    logits, cache, bad = _feed(model, params, cache, feed, jnp.int32(c), jnp.int32(len(fed)))
+    self._flag(TARGET if which == "t" else DRAFT, bad)
     if which == "t":
       self.t_cache, self.t_seen = cache, list(stream) + list(extra)
     else:
@@ -218,8 +239,9 @@ class ModelBackend:
     logits, last = self._sync("d", x_d)
     kv_cache.check_capacity(len(x_d) + k, self.max_len, "draft stream + gamma")
     key = jax.random.fold_in(self.draft_key, g)
-    tokens, cache = _draft_steps(self.draft, self.warp, k, self.draft_params, self.d_cache,
-                                 logits[last], key)
+    tokens, cache, bad = _draft_steps(self.draft, self.warp, k, self.draft_params, self.d_cache,
+                                      logits[last], key)
+    self._flag(DRAFT, bad)
     tokens = [int(t) for t in np.asarray(tokens)]
     self.d_cache, self.d_seen = cache, self.d_seen + tokens[:-1]
     return tokens
@@ -231,6 +253,7 @@ class ModelBackend:
 
   def target_logprobs(self, x_t):
     logits, last = self._sync("t", x_t)
+    self.check()                  # SLRS samples on the host: NaN would fail there, unnamed
     return np.asarray(self.warp.log_probs(logits[last]), np.float64)
 
   def draft_logprobs(self, x_d, paths):
@@ -244,8 +267,10 @@ class ModelBackend:
     for i, r in enumerate(rows):
       feed[i, :len(r)], count[i] = r, len(r)
     cache = kv_cache.rollback(self.d_cache, jnp.full((1,), len(x_d) - 1, jnp.int32))
-    out = _tree_logprobs(self.draft, self.warp, self.draft_params, cache, jnp.asarray(feed),
-                         jnp.asarray(count))
+    out, bad = _tree_logprobs(self.draft, self.warp, self.draft_params, cache,
+                              jnp.asarray(feed), jnp.asarray(count))
+    self._flag(DRAFT, bad)
+    self.check()
     return np.asarray(out, np.float64)[:len(paths)]
 
 
@@ -259,9 +284,7 @@ class Streams:
   prompt_t: int
   prompt_d: int
   out: list[int] = dataclasses.field(default_factory=list)
-  stats: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(
-      ("blocks", "drafted", "accepted", "verified", "emitted", "target_passes", "draft_passes"),
-      0))
+  stats: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0))
 
   def emit(self, tokens: list[int], max_new: int, eos_id: int | None) -> bool:
     """Append tokens (cut at EOS / max_new) to x_T and the output; True when generation ends."""
@@ -454,6 +477,7 @@ def generate(target, target_params, target_tok, draft, draft_params, draft_tok, 
   autoregressive key of its position, so it equals autoregressive.generate with the same key
   (greedy at temperature 0). SLRS (max_depth: the drafting lookahead) uses a host RNG seeded from
   key. max_len: both KV caches' size (default: generous for this prompt and max_new_tokens).
+  Raises NonFiniteLogitsError if either model's logits held NaN / inf.
   """
   if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
     raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got {gamma!r}")
@@ -468,6 +492,8 @@ def generate(target, target_params, target_tok, draft, draft_params, draft_tok, 
   s = run(backend, target_tok, draft_tok, x_t, x_d, method=method, gamma=gamma,
           max_new_tokens=max_new_tokens, eos_id=eos_id, lookbehind=lookbehind,
           max_depth=max_depth, rng=np.random.default_rng(seed))
-  stats = SpecStats(**{k: jnp.asarray([v], jnp.int32) for k, v in s.stats.items()})
+  backend.check()
+  stats = SpecStats(**{k: jnp.asarray([v], jnp.int32) for k, v in s.stats.items()},
+                    nonfinite=backend.stats_flags())
   return StringGeneration(tokens=np.asarray(s.out, np.int32), text=target_tok.decode(s.out),
                           stats=stats)

@@ -95,20 +95,59 @@ def load_model(name_or_dir: str, dtype: str = "float32", precision: str | None =
   Raises ValueError for an unsupported model_type, dtype or precision, or tensors that do not
   match config.json (before any data is read), CorruptCheckpointError for a damaged file."""
   path = resolve_checkpoint(name_or_dir)
-  hf_config = json.loads((path / "config.json").read_text())
+  hf_config = read_config(path / "config.json")
   model_type = hf_config.get("model_type")
   registry = _registry()
   if model_type not in registry:
     raise ValueError(f"{path}: model_type '{model_type}' is not supported; specjax reads "
                      f"{sorted(registry)}.")
   mod = registry[model_type]
-  model = mod.model_from_hf_config(hf_config, dtype)
+  model = _model_from_config(mod, hf_config, dtype, path / "config.json")
   settings = {k: v for k, v in dict(precision=precision, scan_layers=scan_layers).items()
               if v is not None}      # specjax settings that config.json does not carry
   if settings:
     model = dataclasses.replace(model, config=dataclasses.replace(model.config, **settings))
   params = mod.params_from_hf(model, read_tensors(path))
   return model, params
+
+
+def read_config(file: Path) -> dict:
+  """config.json as a dict; a file that is not a JSON object is refused by name."""
+  try:
+    config = json.loads(Path(file).read_text(encoding="utf-8"))
+  except (ValueError, UnicodeDecodeError) as err:      # JSONDecodeError is a ValueError
+    raise CorruptCheckpointError(f"{file} is not valid JSON ({err}): the checkpoint's config is "
+                                 f"damaged; re-download or re-export it") from None
+  if not isinstance(config, dict):
+    raise CorruptCheckpointError(f"{file} holds a JSON {type(config).__name__}, not the object "
+                                 f"of a Hugging Face config.json")
+  return config
+
+
+# A config key only one family's config.json has -> the family and its model_type.
+_CONFIG_MARKERS = (("n_embd", "gpt2"), ("d_kv", "t5"), ("intermediate_size", "llama-family"))
+
+
+def _model_from_config(mod, hf_config: dict, dtype: str, file: Path):
+  """mod.model_from_hf_config, with a missing key named (and, when the keys are another
+  family's, that family) instead of a bare KeyError."""
+  try:
+    return mod.model_from_hf_config(hf_config, dtype)
+  except KeyError as err:
+    key, model_type = err.args[0], hf_config.get("model_type")
+    found = next((family for marker, family in _CONFIG_MARKERS if marker in hf_config), None)
+    family = "llama-family" if model_type in ("llama", "mistral", "qwen2", "qwen3") else model_type
+    if found is not None and found != family:
+      marker = next(m for m, f in _CONFIG_MARKERS if f == found)
+      raise ValueError(f"{file}: model_type '{model_type}' expects a {family} config, but the "
+                       f"fields found are a {found} config's (it has '{marker}', lacks '{key}'): "
+                       f"fix model_type or use the config.json that came with the weights"
+                       ) from None
+    raise ValueError(f"{file} (model_type '{model_type}') lacks the key '{key}' that a "
+                     f"{model_type} config needs: the file is incomplete") from None
+  except TypeError as err:          # e.g. a null or a string where a size belongs
+    raise ValueError(f"{file} (model_type '{hf_config.get('model_type')}') has a field of the "
+                     f"wrong type: {err}") from None
 
 
 def load_tokenizer(name_or_dir: str):

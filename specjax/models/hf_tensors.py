@@ -5,7 +5,9 @@ one tensor from its memory-mapped file. A model module's params_from_hf first ca
 `check_tensors` (names, shapes and dtypes from the file headers, before any data is read, so a
 mismatched checkpoint is refused with nothing loaded), then builds each leaf with `to_device` or
 `stack_layers`, which cast every tensor to the model dtype as it is read and put each leaf on the
-device as it is built: the host holds one stacked leaf at a time, never a float32 model.
+device as it is built: the host holds one stacked leaf at a time, never a float32 model. Every
+tensor read is checked for NaN / inf (chunk by chunk, while it is still in cache), so a damaged
+checkpoint is refused by tensor and file instead of decoding padding.
 """
 
 from __future__ import annotations
@@ -24,6 +26,46 @@ _SAFETENSORS_DTYPES = {   # header code -> numpy name; others (F8_E4M3, ...) kee
 
 class CorruptCheckpointError(ValueError):
   """A weights file (or shard index) that cannot be read: truncated, or not safetensors."""
+
+
+class NonFiniteTensorError(CorruptCheckpointError):
+  """A checkpoint tensor holding NaN or inf; carries the tensor's `name` and its file `path`."""
+
+  def __init__(self, name: str, path: Path, count: int):
+    super().__init__(f"{path}: tensor {name} holds {count} NaN/inf values: the checkpoint is "
+                     f"damaged (or was saved after training diverged); re-download or re-export "
+                     f"it")
+    self.name, self.path = name, path
+
+
+_FINITE_CHUNK = 1 << 22     # elements checked per step: a 16 MiB bool temporary at most
+
+
+def check_finite(array: np.ndarray, name: str, path: Path) -> None:
+  """Raise NonFiniteTensorError if a floating-point tensor holds NaN or inf. Chunked so that the
+  check of a large embedding never allocates a mask of its size."""
+  if not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
+    return
+  flat = array.reshape(-1)
+  for start in range(0, flat.size, _FINITE_CHUNK):
+    if not np.isfinite(flat[start:start + _FINITE_CHUNK]).all():
+      raise NonFiniteTensorError(name, path, int(np.sum(~np.isfinite(flat))))
+
+
+# Tensor names only one family writes -> how messages name that family.
+_FAMILY_MARKERS = (("self_attn.q_proj.weight", "Llama-family (llama, mistral, qwen2, qwen3)"),
+                   ("attn.c_attn.weight", "GPT-2"),
+                   ("SelfAttention.q.weight", "T5"))
+
+
+def guess_family(names) -> str | None:
+  """The family whose tensor names these are (None when none matches): for messages about a
+  config.json of one family next to the weights of another."""
+  names = list(names)
+  for marker, family in _FAMILY_MARKERS:
+    if any(n.endswith(marker) for n in names):
+      return family
+  return None
 
 
 def _open(path: Path):
@@ -58,7 +100,9 @@ class LazyTensors(Mapping):
 
   def __getitem__(self, name: str) -> np.ndarray:
     with _open(self._file[name]) as handle:
-      return handle.get_tensor(name)
+      tensor = handle.get_tensor(name)
+    check_finite(tensor, name, self._file[name])
+    return tensor
 
   def __contains__(self, name) -> bool:   # from the headers: Mapping's default would read it
     return name in self._file
@@ -87,10 +131,7 @@ def check_tensors(tensors: Mapping, expected: Mapping[str, tuple[int, ...]], wha
   """Refuse, before any data is read, a checkpoint that lacks an expected tensor, holds one of
   another shape than the config implies, or stores one in a dtype outside SOURCE_DTYPES.
   expected: tensor name -> shape; what: the family ("GPT-2"); hint: the likely cause."""
-  missing = [name for name in expected if name not in tensors]
-  if missing:
-    raise ValueError(f"{what} checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}: "
-                     f"{hint}")
+  check_names(tensors, list(expected), what, hint)
   for name, want in expected.items():
     shape, dtype = tensor_header(tensors, name)
     if tuple(shape) != tuple(want):
@@ -99,6 +140,19 @@ def check_tensors(tensors: Mapping, expected: Mapping[str, tuple[int, ...]], wha
     if dtype not in SOURCE_DTYPES:
       raise ValueError(f"{what} checkpoint tensor {name} is stored as {dtype}; specjax reads "
                        f"{SOURCE_DTYPES} (quantized checkpoints are not supported).")
+
+
+def check_names(tensors: Mapping, expected: list[str], what: str, hint: str) -> None:
+  """Refuse a checkpoint that lacks expected tensors, naming some; when its tensors are those of
+  another family, say which (config.json's model_type does not match the weights)."""
+  missing = [name for name in expected if name not in tensors]
+  if not missing:
+    return
+  found = guess_family(tensors)
+  if found is not None and not found.startswith(what):
+    hint = (f"its tensors are those of a {found} checkpoint, but config.json describes a {what} "
+            f"model: config.json and the weights come from different models")
+  raise ValueError(f"{what} checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}: {hint}")
 
 
 def to_device(array: np.ndarray, dtype) -> jax.Array:

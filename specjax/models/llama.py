@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import attention, layers
+from specjax.models import attention, hf_tensors, layers
 from specjax.models import kv_cache as kvc
 from specjax.models.decoder_only import DecoderOnly
 
@@ -445,11 +445,10 @@ def _to_ours(tensor: np.ndarray, path: tuple[str, ...]) -> np.ndarray:
 def _read(tensors: Mapping[str, np.ndarray], name: str, path: tuple[str, ...],
           shape: tuple[int, ...], dtype) -> np.ndarray:
   """One tensor, checked against the config's shape, as our layout in the model dtype."""
-  try:
-    tensor = np.asarray(tensors[name])
-  except KeyError:
-    raise KeyError(f"checkpoint lacks tensor '{name}': does its config.json match the "
-                   f"weights?") from None
+  if name not in tensors:
+    raise ValueError(f"checkpoint lacks tensor '{name}': does its config.json match the "
+                     f"weights?")
+  tensor = np.asarray(tensors[name])
   want = shape[::-1] if path[-1] == "kernel" else shape
   if tensor.shape != tuple(want):
     raise ValueError(f"checkpoint tensor '{name}' has shape {tensor.shape} but the config "
@@ -465,8 +464,14 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
   cfg = model.config
   shapes = jax.eval_shape(layers.with_scan(model).init_params, jax.random.PRNGKey(0))
   dtype = model.dtype
+  names = _hf_names(model)
+  expected = [n.format(i=i) for n, path in names.items()
+              for i in (range(cfg.num_layers) if path[0] == "layers" else [0])]
+  hf_tensors.check_names(tensors, expected, "Llama-family",
+                         f"does its config.json (num_hidden_layers={cfg.num_layers}, "
+                         f"tie_word_embeddings={cfg.tie_word_embeddings}) match the weights?")
   params: dict = {}
-  for name, path in _hf_names(model).items():
+  for name, path in names.items():
     shape = _get(shapes, path).shape
     if path[0] != "layers":
       _set(params, path, jnp.asarray(_read(tensors, name, path, shape, dtype)))

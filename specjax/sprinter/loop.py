@@ -41,7 +41,8 @@ from specjax import sampling
 from specjax.acceptance import base
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
-from specjax.decoding.state import STAT_FIELDS, Generation, SpecStats, finish, write_rows
+from specjax.decoding.state import (DRAFT, STAT_FIELDS, TARGET, Generation, SpecStats,
+                                    check_finite, finish, nonfinite_rows, write_rows)
 from specjax.models import Prompt, prompting
 from specjax.models import kv_cache
 
@@ -69,7 +70,8 @@ class SprinterStats(SpecStats):
 
   @classmethod
   def zeros(cls, batch: int) -> "SprinterStats":
-    return cls(**{f: jnp.zeros((batch,), jnp.int32) for f in STAT_FIELDS + EXTRA_FIELDS})
+    return cls(**{f: jnp.zeros((batch,), jnp.int32)
+                  for f in STAT_FIELDS + EXTRA_FIELDS + ("nonfinite",)})
 
   def totals(self) -> dict[str, int]:
     return {f: int(np.sum(np.asarray(getattr(self, f)))) for f in STAT_FIELDS + EXTRA_FIELDS}
@@ -123,7 +125,7 @@ def generate(target, target_params, draft, draft_params, verifier, verifier_para
   token goes to the target). key: one PRNG key (row b uses fold_in(key, b)) or per-row keys [B].
   debug=True runs the same step function from a Python loop (one jitted call per step).
   mesh: a ('data', 'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one
-  device.
+  device. Raises NonFiniteLogitsError if either model's logits held NaN / inf.
   """
   setup = _validate(target, draft, verifier, prompt, threshold=threshold, gamma_max=gamma_max,
                     max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
@@ -133,15 +135,16 @@ def generate(target, target_params, draft, draft_params, verifier, verifier_para
   if mesh is not None:
     if debug:
       raise ValueError("debug=True steps the loop on one device: leave mesh unset to debug")
-    return sharded.generate(loop, setup, (target, draft, None), params, (prompt,), keys,
-                            max_new_tokens)
+    gen = sharded.generate(loop, setup, (target, draft, None), params, (prompt,), keys,
+                           max_new_tokens)
+    return check_finite(gen, target, draft)
   if debug:
     state, anchors = _init_jit(setup, params, prompt, keys)
     while not bool(jnp.all(state.done)):
       state = _step_jit(setup, params, anchors, state)
   else:
     state = run(setup, params, prompt, keys)
-  return finish(state, max_new_tokens)
+  return check_finite(finish(state, max_new_tokens), target, draft)
 
 
 def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_tokens, warp,
@@ -194,7 +197,7 @@ def init(setup: Setup, params, prompt: Prompt, keys: jax.Array) -> tuple[SeqStat
   batch = prompt.tokens.shape[0]
   tcache = sharded.init_cache(target, batch, setup.max_len, prompting.enc_len(target, prompt),
                               setup.mesh)
-  _, _, tcache = target.prefill(tparams, prompt, tcache)
+  t_logits, _, tcache = target.prefill(tparams, prompt, tcache)
   anchors = Anchors(target_base=tcache.lengths, target_anchor=ar.stream_anchor(target, prompt))
   dcache = sharded.init_cache(draft, batch, setup.max_len, prompting.enc_len(draft, prompt),
                               setup.mesh)
@@ -205,7 +208,8 @@ def init(setup: Setup, params, prompt: Prompt, keys: jax.Array) -> tuple[SeqStat
       done=jnp.zeros((batch,), bool), run_len=jnp.zeros((batch,), jnp.int32),
       q_logp=setup.warp.log_probs(q_logits), hidden=hidden.astype(jnp.float32),
       target_cache=kv_cache.rollback(tcache, tcache.lengths - 1), draft_cache=dcache, key=keys,
-      stats=SprinterStats.zeros(batch).add(target_passes=ones, draft_passes=ones))
+      stats=SprinterStats.zeros(batch).add(target_passes=ones, draft_passes=ones)
+      .flag(TARGET, nonfinite_rows(t_logits)).flag(DRAFT, nonfinite_rows(q_logits)))
   return state, anchors
 
 
@@ -224,17 +228,17 @@ def step(setup: Setup, params, anchors: Anchors, s: SeqState) -> SeqState:
   rejected = live & ~accept
   forced = live & accept & (s.run_len >= setup.cap)
   need = rejected | forced
-  p_logp, tcache, pending = jax.lax.cond(
+  p_logp, tcache, pending, t_bad = jax.lax.cond(
       jnp.any(need), functools.partial(_target_chunk, setup, tparams, anchors, s),
       functools.partial(_skip_target, s), need)
   y, kept = _resolve(x, s.q_logp, p_logp, need, keys)
   replaced = live & (y != x)
-  q_logp, hidden, dcache, refed = _draft_update(setup, dparams, s, live, y, fed, replaced)
+  q_logp, hidden, dcache, refed, d_bad = _draft_update(setup, dparams, s, live, y, fed, replaced)
   stats = s.stats.add(
       blocks=live & (s.run_len == 0), drafted=live, accepted=live & kept, verified=live,
       emitted=live, target_passes=need, draft_passes=live + refed, target_calls=need,
       rejections=rejected, forced=forced, target_tokens=jnp.where(need, pending, 0),
-      batched_calls=live & jnp.any(need))
+      batched_calls=live & jnp.any(need)).flag(TARGET, need & t_bad).flag(DRAFT, live & d_bad)
   return _commit(setup, s, live, y, need).replace(
       q_logp=q_logp, hidden=hidden, target_cache=tcache, draft_cache=dcache, stats=stats)
 
@@ -258,12 +262,14 @@ def _target_chunk(setup: Setup, tparams, anchors: Anchors, s: SeqState, need):
   last = jnp.clip(pending - 1, 0, setup.width - 1)
   p_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
   cache = kv_cache.rollback(cache, jnp.where(need, base + g, T))
-  return setup.warp.log_probs(p_logits), cache, pending.astype(jnp.int32)
+  return (setup.warp.log_probs(p_logits), cache, pending.astype(jnp.int32),
+          nonfinite_rows(p_logits))
 
 
 def _skip_target(s: SeqState, need):
   del need
-  return jnp.zeros_like(s.q_logp), s.target_cache, jnp.zeros_like(s.lengths)
+  return (jnp.zeros_like(s.q_logp), s.target_cache, jnp.zeros_like(s.lengths),
+          jnp.zeros_like(s.done))
 
 
 def _resolve(x, q_logp, p_logp, need, keys):
@@ -282,7 +288,7 @@ def _resolve(x, q_logp, p_logp, need, keys):
 def _draft_update(setup: Setup, dparams, s: SeqState, live, y, fed, replaced):
   """q and the hidden state for the next step: feed y (reading A), or keep the pass over x and
   re-feed y at x's slot only where the target replaced x (reading B). Done rows are frozen.
-  Returns (q_logp, hidden, draft_cache, refed [B] int32)."""
+  Returns (q_logp, hidden, draft_cache, refed [B] int32, [B] non-finite draft logits)."""
   model = setup.draft
   if fed is None:
     logits, hidden, cache = model.extend(dparams, y[:, None], s.draft_cache)
@@ -298,7 +304,7 @@ def _draft_update(setup: Setup, dparams, s: SeqState, live, y, fed, replaced):
   cache = kv_cache.rollback(cache, jnp.where(live, cache.lengths, s.draft_cache.lengths))
   q_logp = jnp.where(live[:, None], setup.warp.log_probs(logits[:, 0]), s.q_logp)
   hidden = jnp.where(live[:, None], hidden[:, 0].astype(jnp.float32), s.hidden)
-  return q_logp, hidden, cache, refed
+  return q_logp, hidden, cache, refed, nonfinite_rows(logits)
 
 
 def _commit(setup: Setup, s: SeqState, live, y, need) -> SeqState:

@@ -90,3 +90,18 @@ def check_vocab(spec: builders.ModelSpec, rows, tokenizer) -> None:
       f"the {spec.role}'s tokenizer ({getattr(tokenizer, 'path', '?')}) has "
       f"{tokenizer.vocab_size} tokens but the {spec.role} model's embedding table has "
       f"{rows} rows: {fix}")
+
+
+def load_tokenizer(spec: builders.ModelSpec, path: Path):
+  """`spec.tokenizer` if set, else the checkpoint's own: spm.model or the HF tokenizer files."""
+  own = path / zoo.SPM_FILE
+  return get_tokenizer(spec.tokenizer or (str(own) if own.exists() else str(path)))
+
+
+def build_model(spec: builders.ModelSpec, seed: int):
+  """(model, params) for training: a checkpoint's weights, or a model built from the section's
+  fields with random init (PRNGKey(seed)); `init_from` then replaces the params."""
+  if spec.checkpoint:
+    loaded = load(spec)
+    return loaded.model, loaded.params
+  return builders.init_model(spec, seed)

@@ -5,6 +5,8 @@ one line of advice and exit status 2 (SPECJAX_DEBUG=1 shows the traceback instea
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import logging
 import os
 import sys
@@ -38,7 +40,7 @@ def parse(p: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[st
 
 def setup() -> None:
   """Library logs (specjax.*) to stderr, and compiled programs persisted under the specjax
-  cache so that a second run starts fast."""
+  cache (or $JAX_COMPILATION_CACHE_DIR) so that a second run starts fast."""
   handler = logging.StreamHandler(sys.stderr)
   handler.setFormatter(logging.Formatter("specjax: %(message)s"))
   root = logging.getLogger("specjax")
@@ -46,8 +48,15 @@ def setup() -> None:
     root.addHandler(handler)
   root.setLevel(logging.INFO)
   root.propagate = False     # absl (via orbax) configures the root logger: no line twice
-  jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-compile"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                    or str(cache_dir() / "jax-compile"))
+  # Every program is persisted: one compiling in under the old 0.5 s floor was compiled again
+  # on every run (docs/results.md, start-up).
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  # What is alive now (jax, flax, transformers, ... once imported) is never garbage: keep it out
+  # of the collections that tracing triggers and of the one at exit, which took 1-1.5 s.
+  gc.freeze()
+  atexit.register(gc.freeze)
 
 
 def advice(err: Exception) -> str:

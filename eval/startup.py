@@ -1,0 +1,246 @@
+"""Start-up of a decoding run: import, config, load, trace / lower / compile per program, the
+generation, exit and peak host memory, each run in a fresh process, cold (an empty persistent
+compilation cache) and warm (the same cache again).
+
+    python -m eval.startup --config tiny.py --output_json startup.json --output_md startup.md
+    python -m eval.startup --config t5_xl_small.py --config.target.checkpoint=DIR \\
+        --config.draft.checkpoint=DIR --config.target.dtype=float32 --config.draft.dtype=float32
+    python -m eval.startup --t5_benchmark /tmp/t5_depth      # issue 14's depth benchmark
+
+Every case runs `eval.startup_probe` (what `specjax.decode` does for one prompt, timed phase by
+phase) --repeats times as a cold run followed by a warm one, each repeat with a new empty cache
+(JAX_COMPILATION_CACHE_DIR); the cases alternate within a repeat so that a busy machine slows
+them alike. `whole_s` is the process's wall time from spawn to exit; `first_s` the time until
+the generation returned (what a user waits for; the whole generation is one compiled call).
+The table holds medians over repeats.
+
+--t5_benchmark DIR writes two random T5 v1.1 checkpoints of T5 Small's width (d_model 512,
+6 heads x 64, d_ff 1024, a 400-piece BPE tokenizer) into DIR, one of XL depth (24 + 24 layers)
+and one of 2 + 2, and times target-only decoding of 8 tokens with each, in the scanned layout
+(--config.target.layers=scan) and the default (auto: unrolled on CPU), and speculative decoding
+with the deep target and the shallow draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from eval import flags
+from specjax.app import cli, outputs
+
+PHASES = ("python", "import", "config", "load", "trace", "lower", "compile", "run", "exit")
+COLUMNS = ("case", "cache", "whole_s", "cpu_s", "first_s", *(f"{p}_s" for p in PHASES), "fetched",
+           "compiled", "rss_mb")
+T5_WIDTH = dict(d_model=512, d_kv=64, d_ff=1024, num_heads=6, feed_forward_proj="gated-gelu",
+                tie_word_embeddings=False)
+T5_DEPTHS = {"deep": 24, "shallow": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  overrides: tuple[str, ...] = ()
+
+
+def probe_command(config: str, prompt: str, case: Case, out: pathlib.Path) -> list[str]:
+  return [sys.executable, "-m", "eval.startup_probe", "--config", config, "--prompt", prompt,
+          "--out", str(out), *case.overrides]
+
+
+def run_probe(command: list[str], compile_cache: pathlib.Path, timeout: float) -> dict:
+  """One fresh process: the probe's report plus its wall time from spawn to exit and the CPU
+  seconds it used (user + system: less moved than wall time by other work on the machine)."""
+  out = pathlib.Path(command[command.index("--out") + 1])
+  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(compile_cache)}
+  env.pop("SPECJAX_DEBUG", None)
+  with open(out.with_suffix(".log"), "w+") as log:
+    start = time.time()
+    proc = subprocess.Popen(command, env={**env, "SPECJAX_STARTUP_T0": repr(start)},
+                            stdout=log, stderr=log)
+    status, usage = wait(proc, timeout)
+    wall = time.time() - start
+    if status != 0:
+      log.seek(0)
+      last = (log.read().strip().splitlines() or ["(no output)"])[-1]
+      raise RuntimeError(f"the probe failed ({' '.join(command[2:4])} ...): {last}")
+  return {**json.loads(out.read_text()), "wall_s": wall,
+          "cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def wait(proc: subprocess.Popen, timeout: float):
+  """(exit status, resource usage) of a child, killed past `timeout` seconds."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    if pid:
+      proc.returncode = os.waitstatus_to_exitcode(status)
+      return proc.returncode, usage
+    time.sleep(0.02)
+  proc.kill()
+  proc.wait()
+  raise RuntimeError(f"the probe ran past {timeout:.0f} s and was stopped")
+
+
+def row(report: dict) -> dict:
+  """A probe report -> the table's columns (seconds)."""
+  phases, marks, jax_ = report["phases"], report["marks"], report["jax"]
+  totals = jax_["totals"]
+  traced = totals.get("trace_s", 0.0) + totals.get("lower_s", 0.0) + totals.get("compile_s", 0.0)
+  fetched = jax_.get("cache_hits", 0)
+  return {"whole_s": report["wall_s"], "cpu_s": report["cpu_s"], "first_s": marks["generate"],
+          "python_s": phases["python"],
+          "import_s": phases["import_jax"] + phases["import_specjax"],
+          "config_s": phases["config"], "load_s": phases["load"] + phases["encode"],
+          "trace_s": totals.get("trace_s", 0.0), "lower_s": totals.get("lower_s", 0.0),
+          "compile_s": totals.get("compile_s", 0.0),
+          "run_s": max(phases["generate"] - traced, 0.0),
+          "exit_s": report["wall_s"] - marks["decode"],
+          "fetched": fetched, "compiled": jax_.get("cache_requests", 0) - fetched,
+          "rss_mb": report["max_rss_mb"], "tokens": report["tokens"],
+          "decode_s": phases["decode"], "programs": jax_["programs"]}
+
+
+def measure(cases: list[Case], config: str, prompt: str, repeats: int, work: pathlib.Path,
+            timeout: float = 600) -> list[dict]:
+  """Per repeat and case: a cold run on an empty cache, then a warm one; returns every run."""
+  runs = []
+  for r in range(repeats):
+    for cache in ("cold", "warm"):
+      for i, case in enumerate(cases):
+        out = work / f"probe_{r}_{i}_{cache}.json"
+        report = run_probe(probe_command(config, prompt, case, out), work / f"cache_{r}_{i}",
+                           timeout)
+        runs.append({"case": case.name, "cache": cache, "repeat": r, **row(report)})
+        print(f"{case.name:>24} {cache}: {runs[-1]['whole_s']:.2f} s", flush=True)
+  return runs
+
+
+def medians(runs: list[dict]) -> list[dict]:
+  """One row per (case, cache) in first-seen order: the median of every numeric column."""
+  keys = list(dict.fromkeys((r["case"], r["cache"]) for r in runs))
+  out = []
+  for case, cache in keys:
+    same = [r for r in runs if (r["case"], r["cache"]) == (case, cache)]
+    numeric = [c for c in COLUMNS[2:] if isinstance(same[0][c], (int, float))]
+    out.append({"case": case, "cache": cache,
+                **{c: statistics.median(r[c] for r in same) for c in numeric}})
+  return out
+
+
+def table(rows: list[dict]) -> str:
+  fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
+  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+  return "\n".join(lines + ["| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |" for r in rows])
+
+
+def ratios(rows: list[dict], pairs: list[tuple[str, str]]) -> list[str]:
+  """'A / B cold: 1.08x wall, 1.05x CPU' lines: whole cold and warm runs of each pair."""
+  by = {(r["case"], r["cache"]): r for r in rows}
+  return [f"{a} / {b} {cache}: {by[(a, cache)]['whole_s'] / by[(b, cache)]['whole_s']:.2f}x "
+          f"wall, {by[(a, cache)]['cpu_s'] / by[(b, cache)]['cpu_s']:.2f}x CPU"
+          for a, b in pairs for cache in ("cold", "warm") if (a, cache) in by and (b, cache) in by]
+
+
+def write_t5_pair(root: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Random T5 checkpoints of T5_WIDTH at T5_DEPTHS (HF layout, spm.model beside), reused when
+  DIR already holds them."""
+  import inspect
+  import shutil
+  import string
+  import textwrap
+
+  import jax
+
+  from specjax.data.tokenizer import train_sentencepiece
+  from specjax.models import hf_import
+  from specjax.models.t5 import T5, T5Config
+  root.mkdir(parents=True, exist_ok=True)
+  dirs = {name: root / name for name in T5_DEPTHS}
+  if all((d / "model.safetensors").exists() for d in dirs.values()):
+    return dirs
+  source = inspect.getsource(string) + inspect.getsource(textwrap)
+  spm = train_sentencepiece(source[:12000].split("\n\n"), root / "spm.model", model_type="bpe",
+                            vocab_size=400, num_threads=1)
+  for name, depth in T5_DEPTHS.items():
+    model = T5(T5Config(vocab_size=400, num_layers=depth, num_decoder_layers=depth, **T5_WIDTH))
+    hf_import.save_model(model, model.init_params(jax.random.PRNGKey(depth)), dirs[name])
+    shutil.copy(spm, dirs[name] / "spm.model")
+  return dirs
+
+
+def t5_cases(dirs: dict[str, pathlib.Path]) -> list[Case]:
+  """Target-only runs of each depth in both layouts, and SD with the deep target."""
+  common = ("--config.decode.max_new_tokens=8", "--config.target.dtype=float32",
+            "--config.draft.dtype=float32")
+  cases = [Case(f"{name} {layers}", (*common, f"--config.target.checkpoint={dirs[name]}",
+                                     "--config.draft.checkpoint=",
+                                     f"--config.target.layers={layers}"))
+           for layers in ("scan", "auto") for name in T5_DEPTHS]
+  cases.append(Case("sd deep+shallow scan", (
+      *common, f"--config.target.checkpoint={dirs['deep']}",
+      f"--config.draft.checkpoint={dirs['shallow']}", "--config.target.layers=scan",
+      "--config.draft.layers=scan")))
+  return cases
+
+
+def parse_args(argv):
+  p = cli.parser("python -m eval.startup", __doc__)
+  p.add_argument("--config", default="tiny.py")
+  p.add_argument("--prompt", default="def f(x):")
+  p.add_argument("--case", action="append", default=[],
+                 help="NAME=OVERRIDES: a case with its own --config.* flags (repeatable)")
+  p.add_argument("--t5_benchmark", help="DIR for the random T5 pair of the depth benchmark")
+  p.add_argument("--repeats", type=int, default=1)
+  p.add_argument("--output_json")
+  p.add_argument("--output_md")
+  return cli.parse(p, argv)
+
+
+def cases_from(args, overrides: list[str]) -> list[Case]:
+  if args.t5_benchmark:
+    return t5_cases(write_t5_pair(pathlib.Path(args.t5_benchmark).absolute()))
+  cases = []
+  for text in args.case:
+    name, sep, flags_ = text.partition("=")
+    if not sep or not name:
+      raise ValueError(f"--case takes NAME=OVERRIDES, e.g. 'scan=--config.target.layers=scan'; "
+                       f"got {text!r}")
+    cases.append(Case(name, (*overrides, *shlex.split(flags_))))
+  return cases or [Case("run", tuple(overrides))]
+
+
+def main(argv=None) -> int:
+  args, overrides = parse_args(argv)
+
+  def go():
+    flags.check_counts(repeats=args.repeats)
+    out_json = flags.output_file(args.output_json, "--output_json")
+    out_md = flags.output_file(args.output_md, "--output_md")
+    config = "t5_xl_small.py" if args.t5_benchmark else args.config
+    cases = cases_from(args, overrides)
+    with tempfile.TemporaryDirectory(prefix="specjax-startup-") as work:
+      runs = measure(cases, config, args.prompt, args.repeats, pathlib.Path(work))
+    rows = medians(runs)
+    pairs = [(f"deep {lay}", f"shallow {lay}") for lay in ("scan", "auto")]
+    text = "\n".join([table(rows), "", *ratios(rows, pairs)]) + "\n"
+    print(text, end="")
+    if out_md:
+      outputs.write_text(out_md, text)
+    if out_json:
+      outputs.write_json(out_json, {"config": config, "repeats": args.repeats, "rows": rows,
+                                    "runs": runs, "cases": [dataclasses.asdict(c) for c in cases]})
+
+  return cli.run("eval.startup", go)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

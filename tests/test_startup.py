@@ -1,0 +1,113 @@
+"""eval.startup: the start-up benchmark's bookkeeping, its refusals, cli.setup's compile cache
+settings, and one cold + warm pair of probe processes on a tiny T5 (the warm run compiles
+nothing: every program comes from the persistent cache)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+
+import jax
+import pytest
+
+from eval import startup, startup_probe
+from specjax.app import cli
+
+
+def test_union_of_spans_counts_each_second_once():
+  assert startup_probe.union_seconds([]) == 0
+  assert startup_probe.union_seconds([(5, 6), (0, 2), (1, 3)]) == 4
+  assert startup_probe.union_seconds([(0, 10), (2, 3)]) == 10
+
+
+def _report(wall: float, trace: float) -> dict:
+  phases = {"python": 0.1, "import_jax": 1.0, "import_specjax": 2.0, "config": 0.1, "load": 3.0,
+            "encode": 0.1, "generate": 4.0, "decode": 0.2}
+  marks, t = {}, 0.0
+  for name, seconds in phases.items():
+    t += seconds
+    marks[name] = t
+  return {"phases": phases, "marks": marks, "wall_s": wall, "cpu_s": wall / 2, "tokens": 8, "max_rss_mb": 100.0,
+          "jax": {"totals": {"trace_s": trace, "lower_s": 0.5, "compile_s": 1.5},
+                  "programs": {"jit(_run)": {"compile_s": 1.5}}, "cache_requests": 3,
+                  "cache_hits": 2}}
+
+
+def test_rows_medians_table_and_ratios():
+  row = startup.row(_report(wall=12.0, trace=1.0))
+  assert row["import_s"] == 3.0 and row["load_s"] == pytest.approx(3.1)
+  assert row["run_s"] == pytest.approx(1.0)              # generate 4 - (trace + lower + compile)
+  assert row["exit_s"] == pytest.approx(12.0 - 10.5) and row["first_s"] == pytest.approx(10.3)
+  assert (row["fetched"], row["compiled"]) == (2, 1)
+  runs = [{"case": c, "cache": k, **startup.row(_report(w, 1.0))}
+          for c, k, w in [("deep scan", "cold", 13.0), ("shallow scan", "cold", 10.0),
+                          ("deep scan", "cold", 11.0), ("shallow scan", "cold", 10.0)]]
+  rows = startup.medians(runs)
+  assert [(r["case"], r["whole_s"]) for r in rows] == [("deep scan", 12.0), ("shallow scan", 10.0)]
+  assert startup.ratios(rows, [("deep scan", "shallow scan")]) == [
+      "deep scan / shallow scan cold: 1.20x wall, 1.20x CPU"]
+  lines = startup.table(rows).splitlines()
+  assert lines[0].startswith("| case | cache | whole_s |") and "| deep scan | cold | 12.00 |" in lines[2]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["--case", "no-name"], "--case takes NAME=OVERRIDES"),
+    (["--output_md", "/nonexistent/dir/t.md"], "does not exist")])
+def test_refusals_before_any_run(argv, message, monkeypatch, capsys):
+  monkeypatch.setattr(startup, "measure", lambda *a, **k: pytest.fail("ran probes"))
+  assert startup.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.fixture
+def restored_jax_cache_config():
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  old = {n: getattr(jax.config, n) for n in names}
+  yield
+  for n, v in old.items():
+    jax.config.update(n, v)
+  gc.unfreeze()
+
+
+def test_setup_persists_every_program_where_told(tmp_path, monkeypatch, restored_jax_cache_config):
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cc"))
+  cli.setup()
+  assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cc")
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+  assert gc.get_freeze_count() > 0
+
+
+def _tiny_t5_checkpoint(root):
+  import inspect
+  import string
+  import textwrap
+
+  from specjax.data.tokenizer import train_sentencepiece
+  from specjax.models import hf_import
+  from specjax.models.t5 import T5, T5Config
+  source = inspect.getsource(string) + inspect.getsource(textwrap)
+  spm = train_sentencepiece(source[:12000].split("\n\n"), root / "spm.model", model_type="bpe",
+                            vocab_size=400, num_threads=1)
+  model = T5(T5Config(vocab_size=400, d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=1,
+                      num_decoder_layers=1))
+  path = hf_import.save_model(model, model.init_params(jax.random.PRNGKey(0)), root / "t5")
+  shutil.copy(spm, path / "spm.model")
+  return path
+
+
+def test_cold_then_warm_probe_on_a_tiny_t5(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  path = _tiny_t5_checkpoint(tmp_path)
+  case = startup.Case("tiny", (f"--config.target.checkpoint={path}", "--config.draft.checkpoint=",
+                               "--config.target.dtype=float32",
+                               "--config.decode.max_new_tokens=4"))
+  cold, warm = startup.measure([case], "t5_xl_small.py", "def f(x):", 1, tmp_path)
+  for run in (cold, warm):
+    assert run["tokens"] == 4 and run["whole_s"] >= run["first_s"] > run["import_s"] > 0, run
+    assert any(name.startswith("jit(") for name in run["programs"]), run["programs"]
+  assert cold["compiled"] > 0 and cold["fetched"] == 0
+  assert warm["compiled"] == 0 and warm["fetched"] == cold["compiled"]    # nothing compiled again
+  assert json.loads((tmp_path / "probe_0_0_warm.json").read_text())["method"] == "autoregressive"

@@ -14,6 +14,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -169,16 +171,39 @@ def _abstract(x):
 
 
 def write_json(path: Path, obj) -> None:
-  """Small helper for run metadata files (config snapshot)."""
-  Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+  """A run's metadata file (verifier.json, metrics.json): strict JSON (a non-finite float is
+  null), written atomically (a temporary file, then a rename)."""
+  path = Path(path)
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  tmp.write_text(json.dumps(_strict(obj), indent=2, sort_keys=True, default=str,
+                            allow_nan=False))
+  os.replace(tmp, path)
+
+
+def _strict(obj):
+  if isinstance(obj, dict):
+    return {k: _strict(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_strict(v) for v in obj]
+  if isinstance(obj, (float, np.floating)):
+    return float(obj) if math.isfinite(obj) else None
+  return obj
 
 
 def save_params(workdir, params) -> None:
-  """Export the final params to WORKDIR/params (what `init_from=WORKDIR` loads)."""
+  """Export the final params to WORKDIR/params (what `init_from=WORKDIR` loads), atomically:
+  written beside it first, then swapped in, so a killed export leaves the previous params."""
   path = Path(workdir).absolute() / "params"
+  staged, old = path.with_name(".params.new"), path.with_name(".params.old")
+  for leftover in (staged, old):
+    shutil.rmtree(leftover, ignore_errors=True)
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(path, params, force=True)
+  checkpointer.save(staged, params)
   checkpointer.wait_until_finished()
+  if path.exists():
+    path.rename(old)
+  staged.rename(path)
+  shutil.rmtree(old, ignore_errors=True)
 
 
 def load_params(workdir, like):
@@ -191,4 +216,4 @@ def load_params(workdir, like):
   try:
     return ocp.StandardCheckpointer().restore(path, target)
   except (ValueError, KeyError) as e:
-    raise CheckpointMismatchError(f"{path} holds params of another model: {e}") from e
+    raise ValueError(f"{path} holds params of another model: {e}") from e

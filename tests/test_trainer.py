@@ -192,11 +192,17 @@ def run_child(workdir, kill_at, cache):
 
 
 def last_losses(workdir):
-  losses = {}
+  """step -> loss of metrics.jsonl; each step logged once (a resume drops the records past its
+  checkpoint) and the resume marked."""
+  losses, resumes = {}, []
   for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines():
     record = json.loads(line)
+    if record.get("event") == "resume":
+      resumes.append(record["step"])
+      continue
+    assert record["step"] not in losses, f"step {record['step']} logged twice"
     losses[record["step"]] = record["loss"]
-  return losses
+  return losses, resumes
 
 
 @pytest.mark.slow
@@ -207,14 +213,14 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
   cache = tmp_path / "jax_cache"
   killed = run_child(tmp_path / "a", 7, cache)
   assert killed.returncode == -9, killed.stderr[-2000:]
-  assert max(last_losses(tmp_path / "a")) == 7
+  assert max(last_losses(tmp_path / "a")[0]) == 7
   resumed = run_child(tmp_path / "a", -1, cache)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "resuming from" in resumed.stdout
   full = run_child(tmp_path / "b", -1, cache)
   assert full.returncode == 0, full.stderr[-2000:]
-  a, b = last_losses(tmp_path / "a"), last_losses(tmp_path / "b")
-  assert sorted(a) == sorted(b) == list(range(1, 11))
+  (a, resumes), (b, _) = last_losses(tmp_path / "a"), last_losses(tmp_path / "b")
+  assert resumes == [6] and sorted(a) == sorted(b) == list(range(1, 11))
   for step in range(1, 11):
     assert a[step] == pytest.approx(b[step], abs=1e-6), step
 

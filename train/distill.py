@@ -4,6 +4,7 @@
         [--config.distill.recipe=gkd] [--config.train.steps=200]
 
 Resumes from WORKDIR's latest checkpoint; metrics go to the console and WORKDIR/metrics.jsonl.
+Ctrl-C saves a checkpoint of the current step and exits with status 130 (rerun to resume).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import sys
 
 from specjax.app import cli, config, training
+from specjax.distill import trainer
+
+INTERRUPTED = 130          # the shell's status for a run stopped by SIGINT
 
 
 def main(argv: list[str] | None = None, pretrain: bool = False, doc: str = __doc__) -> int:
@@ -22,7 +26,15 @@ def main(argv: list[str] | None = None, pretrain: bool = False, doc: str = __doc
 
   def go():
     cli.setup()
-    training.run(config.load_config(args.config, overrides), args.workdir, pretrain=pretrain)
+    try:
+      training.run(config.load_config(args.config, overrides), args.workdir, pretrain=pretrain)
+    except trainer.TrainingInterrupted as stopped:    # Ctrl-C: a checkpoint was saved
+      print(f"{prog}: {stopped}", file=sys.stderr)
+      return INTERRUPTED
+    except KeyboardInterrupt:                          # before the first step, or a second Ctrl-C
+      print(f"{prog}: interrupted (nothing saved now: a rerun resumes from the workdir's latest "
+            f"checkpoint, if any)", file=sys.stderr)
+      return INTERRUPTED
 
   return cli.run(prog, go)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 
 from specjax import checkpoint as ckpt_lib
-from specjax.app import builders
+from specjax.app import builders, outputs
 from specjax.app.config import ConfigError
 from specjax.distill import evals, sources
 from specjax.distill import trainer as trainer_lib
@@ -19,25 +19,46 @@ from specjax.distill import trainer as trainer_lib
 log = logging.getLogger(__name__)
 
 
-def fit(config, workdir: str, student, teacher=None, *, pretrain: bool = False, display=None):
+def fit(config, workdir: str, student, teacher=None, *, pretrain: bool = False, display=None,
+        source=None):
   """student / teacher: (model, params) pairs (teacher None when pretraining). Trains from
   WORKDIR's latest checkpoint to `train.steps`, then exports WORKDIR/params (unless nothing was
   left to train). `display`: a ProgressDisplay already showing (else one is made here when
-  `train.progress`). Returns the TrainState."""
+  `train.progress`); `source`: the training data already opened (else opened here from the
+  `data` section). Returns the TrainState."""
   cfg = builders.train_config(config, pretrain)
+  workdir = check_workdir(workdir)
   own = display is None and cfg.progress and jax.process_index() == 0
   display = ProgressDisplay(cfg.steps) if own else display
   try:
-    return _fit(config, cfg, Path(workdir), student, teacher, display)
+    return _fit(config, cfg, workdir, student, teacher, display, source)
+  except trainer_lib.TrainingDivergedError as err:
+    raise diverged_advice(err, cfg) from err
   finally:
     if own:
       display.close()
 
 
-def _fit(config, cfg, workdir: Path, student, teacher, display):
+def check_workdir(workdir) -> Path:
+  """The absolute path of a training workdir (relative ones are relative to the current
+  directory), created if missing; refused now, before any work, if it cannot be written."""
+  if "://" in str(workdir):
+    raise ConfigError(f"--workdir {workdir}: checkpoints are written to local paths only; mount "
+                      f"the bucket (e.g. with gcsfuse) and give the mounted path")
+  return outputs.check_workdir(workdir, "--workdir")
+
+
+def diverged_advice(err: trainer_lib.TrainingDivergedError, cfg) -> ConfigError:
+  """The divergence with the flags that mend it (a ConfigError: exit status 2 at the CLI)."""
+  then = "resumes from it" if err.last_good is not None else "starts again"
+  return ConfigError(f"{err}. Lower --config.train.learning_rate (now {cfg.learning_rate:g}) or "
+                     f"raise --config.train.warmup_steps (now {cfg.warmup_steps}); the same "
+                     f"command then {then}")
+
+
+def _fit(config, cfg, workdir: Path, student, teacher, display, source):
   spec = builders.data_spec(config)
-  source = open_source(spec, cfg.batch_size)
-  workdir.mkdir(parents=True, exist_ok=True)
+  source = open_source(spec, cfg.batch_size) if source is None else source
   (model, params), (t_model, t_params) = student, teacher or (None, None)
   trainer = trainer_lib.Trainer(cfg, model, t_model, source, workdir, eos_id=spec.eos_id,
                                 pad_id=spec.pad_id, model_desc=repr(model),
@@ -46,7 +67,8 @@ def _fit(config, cfg, workdir: Path, student, teacher, display):
   if cfg.eval_every and t_model is not None:
     trainer.eval_fn = eval_hooks(config, cfg, trainer, source, t_params)
   state = trainer.run(params, t_params)
-  if trainer.steps_run or (int(state.step) > 0 and not (workdir / "params").exists()):
+  # Exported when trained, or when a run that reached `steps` was killed before its export.
+  if trainer.steps_run or (int(state.step) == cfg.steps and not (workdir / "params").exists()):
     ckpt_lib.save_params(workdir, state.params)
   return state
 

@@ -9,16 +9,22 @@ from `data`, the sampling warp from `decode`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+from pathlib import Path
 
 import jax
 
-from specjax.app import builders, resolve
+from specjax.app import builders, training
+from specjax.app.fit import check_workdir
 from specjax.app.config import ConfigError
 from specjax.data.source import SourceConfig, make_source
 from specjax.distill import data as distill_data
 from specjax.sprinter import train as train_lib
 from specjax.sprinter.data import DataConfig
+
+log = logging.getLogger(__name__)
+VERIFIER_FILE = "verifier.json"     # what sprinter.verifier.save writes beside the params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +35,14 @@ class VerifierRun:
   gamma_max: int = 8         # the decoding default saved with the verifier
   num_sequences: int = 1024  # text prefixes (split by sequence into train/val/test)
   batch_rows: int = 64       # prefixes per rollout batch
+  overwrite: bool = False    # replace a verifier already in the workdir
+
+  def __post_init__(self):
+    for name in ("gamma_max", "num_sequences", "batch_rows"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.mlp_width < 0:
+      raise ValueError(f"mlp_width must be >= 0 (0: linear), got {self.mlp_width}")
 
 
 def split_section(section: dict) -> tuple[DataConfig, train_lib.TrainConfig, VerifierRun]:
@@ -55,16 +69,31 @@ def text_batches(spec: builders.DataSpec, rows: int, count: int, cont_len: int):
   return [src.batch(i, "train") for i in range(count)]
 
 
+def check_verifier_workdir(workdir: str, overwrite: bool) -> Path:
+  """The workdir's absolute path, refused now (before any work) if it cannot be written or
+  already holds a verifier that `overwrite` does not allow to replace."""
+  path = check_workdir(workdir)
+  if (path / VERIFIER_FILE).exists() and not overwrite:
+    raise ConfigError(f"--workdir {path} already holds a verifier ({VERIFIER_FILE}): choose "
+                      f"another workdir, or replace it with --config.verifier.overwrite=true")
+  return path
+
+
 def run_from_config(config, workdir: str) -> dict:
   """Models + text prefixes -> examples -> trained verifier, saved in workdir with
   verifier.json and metrics.json. Returns the metrics."""
   data, training, run = split_section(builders.section(config, "verifier"))
+  workdir = check_verifier_workdir(workdir, run.overwrite)
+  log.info("workdir %s", workdir)
   seed = training.seed
-  target, tparams = resolve.build_model(builders.model_spec(config, "target"), seed)
-  draft, dparams = resolve.build_model(builders.model_spec(config, "draft"), seed + 1)
+  target, tparams = training.build_model(builders.model_spec(config, "target"), seed)
+  draft, dparams = training.build_model(builders.model_spec(config, "draft"), seed + 1)
   spec = builders.data_spec(config)
-  batches = text_batches(spec, run.batch_rows, math.ceil(run.num_sequences / run.batch_rows),
-                         data.cont_len)
+  count = math.ceil(run.num_sequences / run.batch_rows)
+  if count * run.batch_rows != run.num_sequences:
+    log.warning("verifier: num_sequences %d raised to %d (%d whole batches of batch_rows %d)",
+                run.num_sequences, count * run.batch_rows, count, run.batch_rows)
+  batches = text_batches(spec, run.batch_rows, count, data.cont_len)
   try:
     return train_lib.train_verifier(
         target, tparams, draft, dparams, batches, jax.random.PRNGKey(seed),

@@ -11,13 +11,15 @@ import jax
 
 from specjax import sharding
 from specjax.app import builders, resolve
-from specjax.app.fit import ProgressDisplay, fit
+from specjax.app.fit import ProgressDisplay, check_workdir, fit, open_source
 from specjax.distill import trainer as trainer_lib
 
 log = logging.getLogger(__name__)
 
 
 def run(config, workdir: str, pretrain: bool = False):
+  """Train into `workdir` (relative to the current directory), checked before any work."""
+  workdir = check_workdir(workdir)
   dist = builders.section(config, "distributed")
   if dist.get("enabled"):
     pid = dist.get("process_id", -1)
@@ -26,11 +28,16 @@ def run(config, workdir: str, pretrain: bool = False):
                                     pid if pid is not None and pid >= 0 else None)
   cfg = builders.train_config(config, pretrain)
   display = ProgressDisplay(cfg.steps) if cfg.progress and jax.process_index() == 0 else None
+  log.info("workdir %s", workdir)
   try:
+    # The data is prepared (corpus, tokenizer, first batch) while the models are built: both
+    # take seconds to minutes on a cold start, and neither needs the other.
+    source = trainer_lib.Background(open_source, builders.data_spec(config), cfg.batch_size)
     role = builders.section(config, "pretrain").get("model", "target") if pretrain else "draft"
     student = build(config, role, cfg.seed)
     teacher = None if pretrain else build(config, "target", cfg.seed + 1)
-    return fit(config, workdir, student, teacher, pretrain=pretrain, display=display)
+    return fit(config, workdir, student, teacher, pretrain=pretrain, display=display,
+               source=source.result())
   finally:
     if display is not None:
       display.close()
@@ -42,8 +49,17 @@ def build(config, role: str, seed: int):
   what = spec.checkpoint or " ".join(filter(None, (spec.arch, spec.preset))) or "model"
   log.info("building the %s (%s) ...", role, what)
   started = time.perf_counter()
-  model, params = resolve.build_model(spec, seed)
+  model, params = build_model(spec, seed)
   jax.block_until_ready(params)                # init is dispatched asynchronously: time all of it
   count = trainer_lib.count_text(sharding.num_params(params))
   log.info("%s ready: %s params in %.1fs", role, count, time.perf_counter() - started)
   return model, params
+
+
+def build_model(spec: builders.ModelSpec, seed: int):
+  """(model, params) for training: a checkpoint's weights, or a model built from the section's
+  fields with random init (PRNGKey(seed)); `init_from` then replaces the params."""
+  if spec.checkpoint:
+    loaded = resolve.load(spec)
+    return loaded.model, loaded.params
+  return builders.init_model(spec, seed)

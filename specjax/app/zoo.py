@@ -24,6 +24,7 @@ from specjax.app import builders
 from specjax.app.fit import fit
 from specjax.data.cache import cache_dir
 from specjax.data.tokenizer import get_tokenizer
+from specjax.distill import trainer as trainer_lib
 from specjax.models import hf_import
 
 SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained checkpoints
@@ -140,7 +141,11 @@ def build(name: str, stages=ROLES) -> None:
     console.print(f"[bold]stage {stage}")
     config = _stage_config(rec, stage)
     tokenizer = get_tokenizer(config.data.tokenizer)
-    state = _train_stage(config, str(pair_dir_work(rec) / stage), stage)
+    try:
+      state = _train_stage(config, str(pair_dir_work(rec) / stage), stage)
+    except trainer_lib.TrainingInterrupted as stopped:
+      console.print(f"stage {stage} {stopped}: the next use of the pair resumes the build")
+      raise SystemExit(130) from None
     role = "target" if stage == "target" else "draft"
     model = builders.model_from_fields(builders.model_spec(config, role))
     tmp = out.with_name(out.name + ".tmp")

@@ -10,6 +10,13 @@ the update step (ahead of time, once per batch shape) and each first generation 
 sampler), with their times. Every step is timed by phase (data, on-policy generation, update;
 each phase waits for its device work, so the split is real time), and each logged record carries
 the window's tokens/s, per-phase seconds and MFU (`throughput`). The first step is always logged.
+On a cold start the update step compiles in a background thread while the first on-policy batch
+is generated (and the sampler compiled).
+
+A step whose loss, gradient norm or params are not finite raises `TrainingDivergedError` before
+anything of it is saved; Ctrl-C ends the current step, checkpoints it and raises
+`TrainingInterrupted`; a resumed run marks metrics.jsonl and drops the records of the steps it
+is about to train again.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ import dataclasses
 import functools
 import json
 import logging
+import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +41,7 @@ import optax
 
 from specjax import checkpoint as ckpt_lib
 from specjax import sharding
+from specjax.data.cache import atomic_write_bytes
 from specjax.distill import data as data_lib
 from specjax.distill import losses as losses_lib
 from specjax.distill import throughput
@@ -80,9 +91,12 @@ class TrainConfig:
     for name in ("batch_size", "log_every", "eval_prompts"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    for name in ("warmup_steps", "eval_every"):
+    for name in ("warmup_steps", "eval_every", "learning_rate"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    for name in ("checkpoint_every", "keep_checkpoints"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 def paper_schedule(peak: float, total: int, warmup: int, decay_start: int,
@@ -126,12 +140,80 @@ def train_step(state: TrainState, batch, teacher_params, *, student, teacher, lo
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {"loss": value, "lr": schedule(state.step), "tokens": jnp.sum(mask),
-             "grad_norm": optax.tree.norm(grads)}
+             "grad_norm": optax.tree.norm(grads), PARAMS_FINITE: all_finite(params)}
   if teacher_logits is not None:
     tvd = jnp.mean(losses_lib.tvd(student_logits, teacher_logits, mask))
     metrics.update(tvd=tvd, accept=1.0 - tvd)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics
+
+
+PARAMS_FINITE = "params_finite"      # a check of the step, not a logged metric
+
+
+def all_finite(tree) -> jax.Array:
+  """[] bool: every element of every leaf is finite."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
+def non_finite_quantity(metrics: dict) -> str | None:
+  """What of a step's results is nan or inf ('loss', 'gradient norm', 'params'), or None."""
+  if not math.isfinite(float(metrics["loss"])):
+    return "loss"
+  if not math.isfinite(float(metrics["grad_norm"])):
+    return "gradient norm"
+  if not bool(metrics[PARAMS_FINITE]):
+    return "params"
+  return None
+
+
+class TrainingDivergedError(ValueError):
+  """A step's loss, gradients or params became non-finite. Nothing of that step was saved: the
+  workdir's checkpoints are the good ones from before (`last_good`: the latest one's step)."""
+
+  def __init__(self, step: int, quantity: str, workdir: Path, last_good: int | None):
+    self.step, self.quantity, self.workdir, self.last_good = step, quantity, workdir, last_good
+    kept = (f"the last good checkpoint (step {last_good}) is kept in {workdir / 'checkpoints'}"
+            if last_good is not None else "no checkpoint was saved")
+    super().__init__(f"training diverged at step {step}: the {quantity} is not finite (nan or "
+                     f"inf); nothing of step {step} was saved and {kept}")
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+  """Ctrl-C: the loop stopped after `step` and saved a checkpoint of it in `workdir`."""
+
+  def __init__(self, step: int, workdir: Path):
+    self.step, self.workdir = step, workdir
+    super().__init__(f"interrupted: a checkpoint of step {step} is saved in {workdir}; run the "
+                     f"same command again to resume from it")
+
+
+class StopRequest:
+  """Ctrl-C while `installed`: the first SIGINT asks the loop to stop after the current step
+  (which then saves a checkpoint); a second one interrupts at once, as Python would. Installed
+  only in the main thread (the only one that receives signals)."""
+
+  def __init__(self):
+    self.requested = False
+
+  @contextlib.contextmanager
+  def installed(self):
+    if threading.current_thread() is not threading.main_thread():
+      yield self
+      return
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, self._handle)
+    try:
+      yield self
+    finally:
+      signal.signal(signal.SIGINT, previous)
+
+  def _handle(self, signum, frame) -> None:
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    log.warning("interrupted: stopping after this step and saving a checkpoint (Ctrl-C again to "
+                "stop at once, without saving)")
 
 
 def check_vocab(student, teacher) -> None:
@@ -155,9 +237,30 @@ class MetricsLog:
     if not self.active:
       return
     record = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    self._append(record)
     self.show(record)
+
+  def resume(self, step: int) -> None:
+    """A run resuming from the checkpoint of `step`: the records of later steps (logged before
+    the previous run stopped, and about to be trained again) and any half-written last line are
+    dropped, and {"event": "resume", "step": step} marks the place."""
+    if not self.active:
+      return
+    kept = []
+    if self.path.exists():
+      for line in self.path.read_text().splitlines():
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError:          # the last line of a killed run
+          continue
+        if record.get("step", 0) <= step:
+          kept.append(line + "\n")
+    atomic_write_bytes(self.path, "".join(kept).encode())
+    self._append({"event": "resume", "step": int(step)})
+
+  def _append(self, record: dict) -> None:
+    with self.path.open("a") as f:            # one short line per append: written whole
+      f.write(json.dumps(record, allow_nan=False) + "\n")
 
 
 FIRST_FIELDS = ("step", "loss", "source")
@@ -179,10 +282,14 @@ def count_text(n: float) -> str:
 
 
 def _scalar(v):
+  """A JSON value: strings kept, ints and bools plain, floats plain or None when not finite
+  (strict JSON has no NaN)."""
   if isinstance(v, str):
     return v
   v = np.asarray(v)
-  return v.item() if v.dtype.kind in "iub" else float(v)
+  if v.dtype.kind in "iub":
+    return v.item()
+  return float(v) if np.isfinite(v) else None
 
 
 class PhaseClock:
@@ -293,17 +400,34 @@ class Trainer:
 
   def update_for(self, state: TrainState, batch, teacher_params):
     """The update step compiled for this batch's shapes: compiled ahead of time (and logged) the
-    first time a shape is seen, so step timings never include compilation."""
+    first time a shape is seen, so step timings never include compilation. A compilation started
+    by `compile_ahead` is waited for."""
     key = _shape_key(batch)
     if key not in self._updates:
-      started = time.perf_counter()
-      rows, prompt, target = batch_shape(batch)
-      log.info("compiling the update step for %d rows x (%d prompt + %d target) tokens ...", rows,
-               prompt, target)
-      jitted = self.compiled_step(state, batch, teacher_params)
-      self._updates[key] = jitted.lower(state, batch, teacher_params).compile()
-      log.info("compiled the update step in %.1fs", time.perf_counter() - started)
+      self._updates[key] = self._compile_update(*_abstract_tree((state, batch, teacher_params)))
+    if isinstance(self._updates[key], Background):
+      self._updates[key] = self._updates[key].result()
     return self._updates[key]
+
+  def compile_ahead(self, state: TrainState, batch, teacher_params) -> None:
+    """Start compiling the update step for this batch's shapes in a background thread (XLA
+    compiles without holding the GIL), so that it overlaps the step's on-policy generation, which
+    compiles and runs the sampler: on a cold start the two compilations are the largest part of
+    the time to the first step. Sampled batches keep the dataset batch's shapes."""
+    key = _shape_key(batch)
+    if key not in self._updates:
+      args = _abstract_tree((state, batch, teacher_params))   # shapes only: no buffer shared
+      self._updates[key] = Background(self._compile_update, *args)
+
+  def _compile_update(self, state, batch, teacher_params):
+    started = time.perf_counter()
+    rows, prompt, target = batch_shape(batch)
+    log.info("compiling the update step for %d rows x (%d prompt + %d target) tokens ...", rows,
+             prompt, target)
+    jitted = self.compiled_step(state, batch, teacher_params)
+    compiled = jitted.lower(state, batch, teacher_params).compile()
+    log.info("compiled the update step in %.1fs", time.perf_counter() - started)
+    return compiled
 
   # -- one step --------------------------------------------------------------------------------
   def sampled_batch(self, step: int, batch, state: TrainState, teacher_params):
@@ -331,6 +455,8 @@ class Trainer:
     clock = PhaseClock()
     with clock("data"):
       batch = jax.block_until_ready(self.place_batch(self.source.batch(step)))
+    if self.mixture.source(step) != data_lib.FIXED:
+      self.compile_ahead(state, batch, teacher_params)
     with clock("generate"):
       batch, source = self.sampled_batch(step, batch, state, teacher_params)
     update = self.update_for(state, batch, teacher_params)
@@ -374,7 +500,8 @@ class Trainer:
           throughput.ParamCount.of(student_params),
           None if teacher_params is None else throughput.ParamCount.of(teacher_params))
       self._announce(state, flops)
-      state = self._loop(state, ckpt, self.place_params(teacher_params), flops, on_step)
+      with StopRequest().installed() as stop:
+        state = self._loop(state, ckpt, self.place_params(teacher_params), flops, on_step, stop)
       if ckpt.latest_step() != cfg.steps:
         ckpt.save(cfg.steps, _as_dict(state), self._meta(cfg.steps), force=True)
     finally:
@@ -399,14 +526,21 @@ class Trainer:
              count_text(flops.student.total), teacher, cfg.batch_size, cfg.loss, cfg.lambda1,
              cfg.lambda2, self.mesh.devices.size, jax.devices()[0].device_kind)
 
-  def _loop(self, state: TrainState, ckpt, teacher_params, flops, on_step) -> TrainState:
+  def _loop(self, state: TrainState, ckpt, teacher_params, flops, on_step,
+            stop: StopRequest) -> TrainState:
+    """Steps first+1..cfg.steps, each logged, checkpointed and checked: a non-finite step raises
+    TrainingDivergedError before anything of it is saved; after a Ctrl-C the step in progress
+    ends, is checkpointed, and TrainingInterrupted is raised."""
     cfg, first = self.cfg, int(state.step)
     metrics_log = MetricsLog(self.workdir, self.show)
+    if first > 0:
+      metrics_log.resume(first)
     window = throughput.Window(self.mesh.devices.size,
                                throughput.peak_flops(jax.devices()[0].device_kind))
     for step in range(first, cfg.steps):
       state, metrics, source, seconds, shape = self.one_step(step, state, teacher_params)
       done = step + 1
+      self._check_finite(done, metrics, source, ckpt, metrics_log)
       sampled_by = None if source == data_lib.FIXED else source
       window.add(int(metrics["tokens"]), flops.step_flops(*shape, sampled_by), seconds)
       self.steps_run += 1
@@ -416,10 +550,25 @@ class Trainer:
       if self.tick is not None:
         self.tick({"step": done, "total": cfg.steps, "loss": float(metrics["loss"]),
                    "step_s": sum(seconds.values()), "tokens": int(metrics["tokens"])})
-      ckpt.save(done, _as_dict(state), self._meta(done))
+      saved = ckpt.save(done, _as_dict(state), self._meta(done))
       if on_step is not None:
         on_step(done, state)
+      if stop.requested and done < cfg.steps:
+        if not saved:
+          ckpt.save(done, _as_dict(state), self._meta(done), force=True)
+        raise TrainingInterrupted(done, self.workdir)
     return state
+
+  def _check_finite(self, done: int, metrics: dict, source: str, ckpt, metrics_log) -> None:
+    """Raise TrainingDivergedError (the step's record marked in metrics.jsonl) when the step's
+    loss, gradients or params are not finite."""
+    quantity = non_finite_quantity(metrics)
+    metrics.pop(PARAMS_FINITE)
+    if quantity is None:
+      return
+    metrics_log.write(done, {**metrics, "source": source, "event": "diverged",
+                             "non_finite": quantity})
+    raise TrainingDivergedError(done, quantity, self.workdir, ckpt.latest_step())
 
   def _evaluate(self, done: int, state: TrainState) -> dict:
     if not (self.eval_fn and self.cfg.eval_every and done % self.cfg.eval_every == 0):
@@ -430,6 +579,35 @@ class Trainer:
     self._evaluated = True
     log.info("evaluated at step %d in %.1fs%s", done, time.perf_counter() - started, first)
     return extra
+
+
+class Background:
+  """fn(*args) in a daemon thread (an interrupted process does not wait for it); `result()`
+  waits and returns its value or raises its exception."""
+
+  def __init__(self, fn, *args):
+    self._value = self._error = None
+    self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+    self._thread.start()
+
+  def _run(self, fn, args) -> None:
+    try:
+      self._value = fn(*args)
+    except BaseException as err:              # re-raised in the caller's thread
+      self._error = err
+
+  def result(self):
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+    return self._value
+
+
+def _abstract_tree(tree):
+  """Every array as a ShapeDtypeStruct with its sharding (what lowering needs)."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+      tree)
 
 
 def _as_dict(state: TrainState) -> dict:

@@ -33,6 +33,16 @@ class DataConfig:
   mix_prob: float = 0.5       # group "mixed": P(a continuation token comes from the target)
   features: str = "A"         # the verifier's reading: "A" (h_{t-1}) or "B" (h_t)
 
+  def __post_init__(self):
+    if not self.lam > 0.0:
+      raise ValueError(f"lam must be > 0 (a token is acceptable iff q/p <= lam), got {self.lam}")
+    if self.cont_len < 1:
+      raise ValueError(f"cont_len must be >= 1, got {self.cont_len}")
+    if not 0.0 <= self.mix_prob <= 1.0:
+      raise ValueError(f"mix_prob is a probability: it must lie in [0, 1], got {self.mix_prob}")
+    if self.features not in ("A", "B"):
+      raise ValueError(f"features must be 'A' or 'B', got {self.features!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class _Rollout:

@@ -44,6 +44,22 @@ class TrainConfig:
   threshold: float = 0.5      # tau, for the reported true/false-positive rates
   seed: int = 0
 
+  def __post_init__(self):
+    for name in ("batch_size", "max_epochs", "patience"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if not self.learning_rate > 0:
+      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+    if not 0.0 <= self.threshold <= 1.0:
+      raise ValueError(f"threshold is a probability (the verifier's score): it must lie in "
+                       f"[0, 1], got {self.threshold}")
+    for name in ("val_fraction", "test_fraction"):
+      if not 0.0 < getattr(self, name) < 1.0:
+        raise ValueError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
+    if self.val_fraction + self.test_fraction >= 1.0:
+      raise ValueError(f"val_fraction + test_fraction must leave examples to train on: "
+                       f"{self.val_fraction} + {self.test_fraction} >= 1")
+
 
 class TooFewSequencesError(ValueError):
   """The dataset has fewer sequences than the train/val/test split needs (generate more)."""

@@ -1,0 +1,226 @@
+"""Training robustness (issue #18 items 4, 5, 8, 10-12): workdirs checked before any work,
+divergence stops without saving non-finite state, Ctrl-C saves and says how to resume,
+metrics.jsonl marks resumes without repeating steps, lowered steps do nothing, a verifier is
+not overwritten unless asked, nonsense values refused, exports atomic and strict."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import checkpoint, testing
+from specjax.app import cli, fit, sprinter_train, training
+from specjax.app.config import ConfigError
+from specjax.distill import data, trainer
+from specjax.sprinter import train as sprinter_lib
+
+STUDENT = dict(seed=2, vocab_size=32, d_model=16, num_layers=1, num_heads=2, d_ff=32)
+
+
+def pretrainer(workdir, **kw):
+  """A tiny NLL trainer (no teacher) over a Markov source, checkpoints written synchronously."""
+  student, params = testing.tiny_decoder(**STUDENT)
+  source = data.MarkovSource(vocab_size=32, batch_size=4, prompt_len=4, target_len=6)
+  settings = dict(steps=3, batch_size=4, learning_rate=1e-2, warmup_steps=0, loss="nll",
+                  lambda1=1.0, lambda2=0.0, log_every=1, checkpoint_every=1, keep_checkpoints=2,
+                  async_checkpoint=False, progress=False)
+  cfg = trainer.TrainConfig(**{**settings, **kw})
+  return trainer.Trainer(cfg, student, None, source, workdir, eos_id=1,
+                         model_desc=repr(student)), params
+
+
+def records(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def saved_steps(workdir):
+  return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def restored_params(tr, params):
+  ckpt = checkpoint.Checkpointer(tr.workdir, checkpoint.ModelSignature.of(params, tr.model_desc))
+  try:
+    state, meta = ckpt.restore(trainer._as_dict(tr.abstract_state(params)))
+  finally:
+    ckpt.close()
+  return state["params"], meta["step"]
+
+
+def test_divergence_stops_before_saving_and_keeps_the_good_checkpoints(tmp_path):
+  tr, params = pretrainer(tmp_path)
+  tr.run(params)
+  assert saved_steps(tmp_path) == [2, 3]
+  # Resume with an absurd learning rate: params blow up within a step or two.
+  tr, params = pretrainer(tmp_path, steps=8, learning_rate=1e38)
+  with pytest.raises(trainer.TrainingDivergedError) as err:
+    tr.run(params)
+  step, quantity = err.value.step, err.value.quantity
+  assert step in (4, 5) and quantity in ("loss", "gradient norm", "params")
+  assert f"training diverged at step {step}: the {quantity} is not finite" in str(err.value)
+  assert err.value.last_good == step - 1 and saved_steps(tmp_path)[-1] == step - 1
+  assert f"last good checkpoint (step {step - 1}) is kept" in str(err.value)
+  good, at = restored_params(tr, params)
+  assert at == step - 1
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(good))
+  last = records(tmp_path)[-1]                 # strict JSON: the non-finite value is null
+  assert last["step"] == step and last["event"] == "diverged" and last["non_finite"] == quantity
+  assert not (tmp_path / "params").exists()
+
+
+def test_ctrl_c_saves_the_current_step_and_a_resume_repeats_no_step(tmp_path):
+  tr, params = pretrainer(tmp_path, steps=6, checkpoint_every=100)
+
+  def interrupt(step, state):
+    if step == 2:
+      os.kill(os.getpid(), signal.SIGINT)
+
+  with pytest.raises(trainer.TrainingInterrupted) as err:
+    tr.run(params, on_step=interrupt)
+  assert err.value.step == 2 and saved_steps(tmp_path)[-1] == 2
+  assert "run the same command again to resume" in str(err.value)
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # handler restored
+  # A killed run may have logged steps past its last checkpoint, the last line half written.
+  with (tmp_path / "metrics.jsonl").open("a") as f:
+    f.write('{"step": 3, "loss": 9.0}\n{"step": 4, "lo')
+  tr, params = pretrainer(tmp_path, steps=4, checkpoint_every=100)
+  tr.run(params)
+  steps = [(r.get("event"), r["step"]) for r in records(tmp_path)]
+  assert steps == [(None, 1), (None, 2), ("resume", 2), (None, 3), (None, 4)]
+  assert all(r.get("loss") != 9.0 for r in records(tmp_path))
+
+
+def test_lower_steps_on_a_finished_workdir_do_nothing(tmp_path, caplog):
+  tr, params = pretrainer(tmp_path)
+  tr.run(params)
+  before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+  for steps in (1, 3):
+    tr, params = pretrainer(tmp_path, steps=steps)
+    with caplog.at_level(logging.INFO, logger="specjax"):
+      state = tr.run(params)
+    assert tr.steps_run == 0 and int(state.step) == 3
+    assert f"nothing to do: the checkpoint in {tmp_path} is at step 3 and steps is {steps}" \
+        in caplog.text
+  assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("steps", -1, "steps must be >= 0, got -1"),
+    ("batch_size", 0, "batch_size must be >= 1, got 0"),
+    ("learning_rate", -1e-3, "learning_rate must be >= 0"),
+    ("checkpoint_every", 0, "checkpoint_every must be >= 1"),
+])
+def test_nonsense_training_values_are_refused(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    trainer.TrainConfig(**{field: value})
+
+
+@pytest.mark.parametrize("cls, field, value, message", [
+    (sprinter_lib.TrainConfig, "batch_size", 0, "batch_size must be >= 1"),
+    (sprinter_lib.TrainConfig, "threshold", 1.5, r"must lie in \[0, 1\], got 1.5"),
+    (sprinter_lib.TrainConfig, "val_fraction", 0.0, r"val_fraction must lie in \(0, 1\)"),
+    (sprinter_train.VerifierRun, "batch_rows", 0, "batch_rows must be >= 1"),
+    (sprinter_train.VerifierRun, "num_sequences", -5, "num_sequences must be >= 1"),
+])
+def test_nonsense_verifier_values_are_refused(cls, field, value, message):
+  with pytest.raises(ValueError, match=message):
+    cls(**{field: value})
+
+
+@pytest.fixture
+def cli_logs(monkeypatch, caplog):
+  """The CLIs run in-process: no handler set-up (caplog reads the specjax logger), INFO."""
+  monkeypatch.setattr(cli, "setup", lambda: None)
+  monkeypatch.setattr(logging.getLogger("specjax"), "propagate", True)
+  with caplog.at_level(logging.INFO, logger="specjax"):
+    yield caplog
+
+
+def test_unusable_workdirs_are_refused_before_any_work(tmp_path, monkeypatch, capsys, cli_logs):
+  from train import distill, verifier
+  monkeypatch.setattr(training, "build", lambda *a: pytest.fail("built a model"))
+  monkeypatch.setattr(training, "build_model", lambda *a: pytest.fail("built a model"))
+  a_file = tmp_path / "a_file"
+  a_file.write_text("x")
+  cases = [(a_file, "is a file, not a directory"), (a_file / "sub", "cannot be created")]
+  if os.geteuid() != 0:                        # root writes anywhere
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    cases.append((locked, "is not writable"))
+  for workdir, problem in cases:
+    for main, config in ((distill.main, "distill_tiny.py"), (verifier.main, "sprinter_tiny.py")):
+      assert main(["--config", config, "--workdir", str(workdir)]) == 2
+      assert f"error: --workdir {workdir} {problem}" in capsys.readouterr().err
+
+
+def test_a_verifier_is_not_overwritten_unless_asked(tmp_path, monkeypatch, capsys, cli_logs):
+  from train import verifier
+  monkeypatch.setattr(training, "build_model", lambda *a: pytest.fail("built a model"))
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "runs" / "v").mkdir(parents=True)
+  (tmp_path / "runs" / "v" / "verifier.json").write_text("{}")
+  assert verifier.main(["--config", "sprinter_tiny.py", "--workdir", "runs/v"]) == 2
+  err = capsys.readouterr().err
+  assert f"--workdir {tmp_path}/runs/v already holds a verifier (verifier.json)" in err
+  assert "--config.verifier.overwrite=true" in err
+  assert sprinter_train.check_verifier_workdir("runs/v", overwrite=True) == tmp_path / "runs/v"
+
+
+def test_cli_relative_workdir_ctrl_c_and_lower_steps(tmp_path, monkeypatch, capsys, cli_logs):
+  """train.distill in-process on the tiny pair: a relative workdir is printed in full; Ctrl-C at
+  step 2 saves step 2, exits 130 and says how to resume; fewer steps than done: exit 0, nothing
+  to do, nothing written."""
+  from train import distill
+  monkeypatch.chdir(tmp_path)
+  one_step = trainer.Trainer.one_step
+
+  def interrupted_at_2(self, step, state, teacher_params):
+    out = one_step(self, step, state, teacher_params)
+    if step + 1 == 2:
+      os.kill(os.getpid(), signal.SIGINT)
+    return out
+
+  monkeypatch.setattr(trainer.Trainer, "one_step", interrupted_at_2)
+  args = ["--config", "distill_tiny.py", "--workdir", "runs/d", "--config.train.steps=4",
+          "--config.train.progress=false", "--config.train.eval_every=0",
+          "--config.train.batch_size=4", "--config.train.async_checkpoint=false"]
+  assert distill.main(args) == 130
+  workdir = tmp_path / "runs" / "d"
+  assert f"workdir {workdir}" in cli_logs.text
+  err = capsys.readouterr().err
+  assert f"train.distill: interrupted: a checkpoint of step 2 is saved in {workdir}; run the " \
+         f"same command again to resume from it" in err
+  assert saved_steps(workdir)[-1] == 2 and not (workdir / "params").exists()
+  monkeypatch.setattr(trainer.Trainer, "one_step", one_step)
+  before = sorted(map(str, workdir.rglob("*")))
+  assert distill.main([*args, "--config.train.steps=1"]) == 0
+  assert "nothing to do: the checkpoint in" in cli_logs.text
+  assert sorted(map(str, workdir.rglob("*"))) == before
+
+
+def test_exports_are_atomic_and_json_strict(tmp_path):
+  params = {"w": np.arange(3, dtype=np.float32)}
+  for scale in (1, 2):
+    checkpoint.save_params(tmp_path, {"w": params["w"] * scale})
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["params"]      # nothing staged left
+  np.testing.assert_array_equal(checkpoint.load_params(tmp_path, params)["w"], [0, 2, 4])
+  checkpoint.write_json(tmp_path / "m.json", {"auroc": float("nan"), "x": [np.float32(1.5)]})
+  assert json.loads((tmp_path / "m.json").read_text()) == {"auroc": None, "x": [1.5]}
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "params"]
+
+
+def test_divergence_at_the_cli_names_the_flags_that_mend_it(tmp_path):
+  cfg = trainer.TrainConfig(learning_rate=0.5, warmup_steps=0)
+  resumable = fit.diverged_advice(trainer.TrainingDivergedError(7, "loss", tmp_path, 6), cfg)
+  assert isinstance(resumable, ConfigError)                # exit status 2 at the CLI
+  assert str(resumable).startswith("training diverged at step 7: the loss is not finite")
+  assert "Lower --config.train.learning_rate (now 0.5) or raise --config.train.warmup_steps " \
+         "(now 0); the same command then resumes from it" in str(resumable)
+  fresh = fit.diverged_advice(trainer.TrainingDivergedError(1, "params", tmp_path, None), cfg)
+  assert "no checkpoint was saved" in str(fresh) and str(fresh).endswith("starts again")

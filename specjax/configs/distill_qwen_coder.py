@@ -13,7 +13,8 @@ decoding (eval_alpha, eval_tau) on train.eval_prompts held-out prompts. The lear
 step 0 (linear warmup over one step), so the evaluation after step 1 measures the draft as it
 came and the later ones the distilled draft. On an accelerator raise the sizes (the paper trains
 300k steps at batch 32):
-    --config.train.steps=2000 --config.train.batch_size=32 --config.train.eval_every=500 \
+    --config.train.steps=2000 --config.train.decay_start=1000 --config.train.eval_every=500 \
+    --config.train.batch_size=32 --config.train.learning_rate=3e-4 --config.train.warmup_steps=100 \
     --config.data.prompt_len=128 --config.data.target_len=128 --config.target.dtype=bfloat16
 Decode with the distilled draft: --config.draft.init_from=runs/distill_qwen_coder.
 """

@@ -175,3 +175,34 @@ def test_string_level_names_the_model_with_nan_logits(models, poison):
   with pytest.raises(NonFiniteLogitsError, match=f"the {poison} model"):
     string_level.generate(target, tp, tok, draft, dp, tok, ids, ids, KEY, max_new_tokens=4,
                           eos_id=None)
+
+
+class _FakeGGUF:
+  """What gguf_import.HFTensors reads of an opened GGUF: one NaN embedding."""
+  path = "tiny.gguf"
+  architecture = "qwen2"
+  tensors = {"token_embd.weight": None}
+
+  def __init__(self):
+    self.dequantized_names = []
+
+  def require(self, key):
+    return 4
+
+  def get(self, key, default=None):
+    return 2
+
+  def dequantized(self, name):
+    self.dequantized_names.append(name)
+    return np.array([[0.5, np.nan]], np.float32)
+
+
+def test_gguf_tensors_are_checked_as_dequantized_and_looked_up_by_name():
+  from specjax.models import gguf_import
+  ckpt = _FakeGGUF()
+  tensors = gguf_import.HFTensors(ckpt)
+  assert "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors
+  assert ckpt.dequantized_names == []                        # membership reads no data
+  with pytest.raises(hf_tensors.NonFiniteTensorError,
+                     match=re.escape("tiny.gguf: tensor token_embd.weight holds 1 NaN/inf")):
+    tensors["model.embed_tokens.weight"]

@@ -206,10 +206,10 @@ def _verify(setup: Setup, params, s: SpecState, d: _Drafts, live, keys):
   """One target pass over [pending token, d_0 .. d_{K-1}] and the rule's verdict.
 
   Returns (n accepted [B], next token [B], rule_state, target cache, [B] non-finite target
-  logits). With several verify widths
-  the pass and the rule run at the narrowest width that holds every live row's drafts (a
-  lax.switch over static widths): row results do not depend on the width (the rule's uniforms are
-  per draft, see base.verify_streams), so batch rows still equal single-row runs.
+  logits). With several verify widths the pass and the rule run at the narrowest width that
+  holds every live row's drafts (a lax.switch over static widths): row results do not depend on
+  the width (the rule's uniforms are per draft, see base.verify_streams), so batch rows still
+  equal single-row runs.
   """
   drafts = setup.rule.to_target_ids(d.tokens)                           # [B, K]
   feed = jnp.concatenate([s.last_two[:, 1:], drafts], axis=1)            # [B, K+1]

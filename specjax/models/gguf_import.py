@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from specjax.models import llama
+from specjax.models import hf_tensors, llama
 
 log = logging.getLogger(__name__)
 
@@ -302,10 +302,14 @@ class HFTensors(Mapping):
 
   def __getitem__(self, name: str) -> np.ndarray:
     tensor = self.ckpt.dequantized(self._names[name])
+    hf_tensors.check_finite(tensor, self._names[name], self.ckpt.path)
     projection = name.split(".")[-2]
     if projection in self._heads:
       tensor = _unpermute(tensor, self._heads[projection])
     return tensor
+
+  def __contains__(self, name) -> bool:   # from the names: Mapping's default would dequantize
+    return name in self._names
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._names)

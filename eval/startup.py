@@ -105,7 +105,7 @@ def row(report: dict) -> dict:
           "run_s": max(phases["generate"] - traced, 0.0),
           "exit_s": report["wall_s"] - marks["decode"],
           "fetched": fetched, "compiled": jax_.get("cache_requests", 0) - fetched,
-          "rss_mb": report["max_rss_mb"], "tokens": report["tokens"],
+          "rss_mb": round(report["max_rss_mb"]), "tokens": report["tokens"],
           "decode_s": phases["decode"], "programs": jax_["programs"]}
 
 
@@ -136,10 +136,14 @@ def medians(runs: list[dict]) -> list[dict]:
   return out
 
 
+COUNTS = ("fetched", "compiled", "rss_mb")
+
+
 def table(rows: list[dict]) -> str:
-  fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
+  fmt = lambda c, v: f"{v:g}" if c in COUNTS else f"{v:.2f}" if isinstance(v, float) else str(v)
   lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-  return "\n".join(lines + ["| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |" for r in rows])
+  return "\n".join(lines + ["| " + " | ".join(fmt(c, r[c]) for c in COLUMNS) + " |"
+                            for r in rows])
 
 
 def ratios(rows: list[dict], pairs: list[tuple[str, str]]) -> list[str]:

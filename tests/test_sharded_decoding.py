@@ -441,7 +441,7 @@ def test_latency_reports_a_tensor_parallel_mesh(checkpoints):
                           "--config.mesh.model=4", "--num_prompts", "1", "--repeats", "1",
                           "--output_json", str(out)]])
   assert proc.returncode == 0, proc.stderr[-3000:]
-  record = json.loads(out.read_text())
+  (record,) = json.loads(out.read_text())
   assert (record["mesh"], record["devices"], record["processes"]) == ("2x4", 8, 1)
   assert record["sd_ms_per_token"] > 0 and "| 2x4 |" in proc.stdout
 

@@ -1,6 +1,7 @@
 """DistillSpec main pair at TPU v4 pod scale: T5 v1.1 XL target (teacher), T5 v1.1 Small draft.
 
-    python -m train.distill --config distill_t5_xl_small.py --workdir gs://BUCKET/distill_xl_small
+    python -m train.distill --config distill_t5_xl_small.py --workdir /mnt/BUCKET/distill_xl_small
+    # a local path, or a bucket mounted on every host (gcsfuse): gs:// URLs are refused
     # on every host of the pod (jax.distributed.initialize finds the peers on TPU):
     #   --config.distributed.enabled=true
 

@@ -145,7 +145,7 @@ def cli_logs(monkeypatch, caplog):
 def test_unusable_workdirs_are_refused_before_any_work(tmp_path, monkeypatch, capsys, cli_logs):
   from train import distill, verifier
   monkeypatch.setattr(training, "build", lambda *a: pytest.fail("built a model"))
-  monkeypatch.setattr(sprinter_train, "build_model", lambda *a: pytest.fail("built a model"))
+  monkeypatch.setattr(sprinter_train.resolve, "build_model", lambda *a: pytest.fail("built"))
   a_file = tmp_path / "a_file"
   a_file.write_text("x")
   cases = [(a_file, "is a file, not a directory"), (a_file / "sub", "cannot be created")]
@@ -161,7 +161,7 @@ def test_unusable_workdirs_are_refused_before_any_work(tmp_path, monkeypatch, ca
 
 def test_a_verifier_is_not_overwritten_unless_asked(tmp_path, monkeypatch, capsys, cli_logs):
   from train import verifier
-  monkeypatch.setattr(sprinter_train, "build_model", lambda *a: pytest.fail("built a model"))
+  monkeypatch.setattr(sprinter_train.resolve, "build_model", lambda *a: pytest.fail("built"))
   monkeypatch.chdir(tmp_path)
   (tmp_path / "runs" / "v").mkdir(parents=True)
   (tmp_path / "runs" / "v" / "verifier.json").write_text("{}")

@@ -133,7 +133,7 @@ def test_run_from_config_trains_saves_and_decodes(tmp_path):
             val_fraction=0.1, test_fraction=0.2, seed=0))
         return c
       """))
-  from specjax.app import builders, sprinter_train, training
+  from specjax.app import builders, resolve, sprinter_train
   from specjax.app.config import load_config
   config = load_config(str(cfg))
   workdir = tmp_path / "run"
@@ -144,8 +144,8 @@ def test_run_from_config_trains_saves_and_decodes(tmp_path):
   assert saved["parameters"] == 17 and saved["examples"] > 64
   model, params, meta = vlib.load(str(workdir))
   assert model == vlib.Verifier(16) and meta["gamma_max"] == 4
-  target, tparams = training.build_model(builders.model_spec(config, "target"), 0)
-  draft, dparams = training.build_model(builders.model_spec(config, "draft"), 1)
+  target, tparams = resolve.build_model(builders.model_spec(config, "target"), 0)
+  draft, dparams = resolve.build_model(builders.model_spec(config, "draft"), 1)
   threshold, gamma_max = vlib.decode_settings(meta)               # the saved defaults
   assert (threshold, gamma_max) == (0.5, 4)
   gen = loop.generate(target, tparams, draft, dparams, model, params,

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import jax
 
-from specjax.app import builders
+from specjax.app import builders, resolve
 from specjax.app.fit import check_workdir
-from specjax.app.training import build_model
 from specjax.app.config import ConfigError
 from specjax.data.source import SourceConfig, make_source
 from specjax.distill import data as distill_data
@@ -87,8 +86,8 @@ def run_from_config(config, workdir: str) -> dict:
   workdir = check_verifier_workdir(workdir, run.overwrite)
   log.info("workdir %s", workdir)
   seed = training.seed
-  target, tparams = build_model(builders.model_spec(config, "target"), seed)
-  draft, dparams = build_model(builders.model_spec(config, "draft"), seed + 1)
+  target, tparams = resolve.build_model(builders.model_spec(config, "target"), seed)
+  draft, dparams = resolve.build_model(builders.model_spec(config, "draft"), seed + 1)
   spec = builders.data_spec(config)
   count = math.ceil(run.num_sequences / run.batch_rows)
   if count * run.batch_rows != run.num_sequences:

@@ -49,17 +49,9 @@ def build(config, role: str, seed: int):
   what = spec.checkpoint or " ".join(filter(None, (spec.arch, spec.preset))) or "model"
   log.info("building the %s (%s) ...", role, what)
   started = time.perf_counter()
-  model, params = build_model(spec, seed)
+  model, params = resolve.build_model(spec, seed)
   jax.block_until_ready(params)                # init is dispatched asynchronously: time all of it
   count = trainer_lib.count_text(sharding.num_params(params))
   log.info("%s ready: %s params in %.1fs", role, count, time.perf_counter() - started)
   return model, params
 
-
-def build_model(spec: builders.ModelSpec, seed: int):
-  """(model, params) for training: a checkpoint's weights, or a model built from the section's
-  fields with random init (PRNGKey(seed)); `init_from` then replaces the params."""
-  if spec.checkpoint:
-    loaded = resolve.load(spec)
-    return loaded.model, loaded.params
-  return builders.init_model(spec, seed)

@@ -220,7 +220,9 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
   full = run_child(tmp_path / "b", -1, cache)
   assert full.returncode == 0, full.stderr[-2000:]
   (a, resumes), (b, _) = last_losses(tmp_path / "a"), last_losses(tmp_path / "b")
-  assert resumes == [6] and sorted(a) == sorted(b) == list(range(1, 11))
+  # Resumed once, from step 6, or from 3 when the kill caught step 6's asynchronous save unfinished.
+  assert len(resumes) == 1 and resumes[0] in (3, 6), resumes
+  assert sorted(a) == sorted(b) == list(range(1, 11))
   for step in range(1, 11):
     assert a[step] == pytest.approx(b[step], abs=1e-6), step
 

@@ -5,6 +5,7 @@ stated."""
 from __future__ import annotations
 
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -196,7 +197,8 @@ def test_layout_choice_of_the_app(hf, monkeypatch):
   assert layers.scan_layers("scan") and not layers.scan_layers("unrolled")
   with pytest.raises(config.ConfigError, match="--config.target: layers='fast'"):
     builders.model_spec({"target": {"checkpoint": str(hf[1]), "layers": "fast"}}, "target")
-  monkeypatch.setattr(resolve, "load_tokenizer", lambda spec, path: None)   # none saved here
+  no_tokenizer = types.SimpleNamespace(vocab_size=1)                          # none saved here
+  monkeypatch.setattr(resolve, "load_tokenizer", lambda spec, path: no_tokenizer)
   on_cpu = jax.default_backend() == "cpu"
   for layout, scan in (("auto", not on_cpu), ("scan", True), ("unrolled", False)):
     spec = builders.model_spec({"target": {"checkpoint": str(hf[1]), "layers": layout}}, "target")

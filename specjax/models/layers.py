@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 STACKED = "layers"
 _UNSTACKED = re.compile(r"layers_(\d+)")
@@ -45,9 +46,25 @@ def scan_layers(layout: str, backend: str | None = None) -> bool:
 
 
 @jax.jit
-def _split(x: jax.Array) -> tuple[jax.Array, ...]:
+def _split_on_device(x: jax.Array) -> tuple[jax.Array, ...]:
   """[L, ...] -> L arrays [...], in one dispatch (one compile per leaf shape)."""
   return tuple(x[i] for i in range(x.shape[0]))
+
+
+def _on_one_cpu(x) -> bool:
+  return (isinstance(x, np.ndarray) or isinstance(x, jax.Array)
+          and not isinstance(x, jax.core.Tracer) and len(x.devices()) == 1
+          and next(iter(x.devices())).platform == "cpu")
+
+
+def _split(x: jax.Array) -> tuple[jax.Array, ...]:
+  """[L, ...] -> L arrays [...]. On one CPU device the slices are numpy views of the same
+  memory, each copied once and compiling nothing (the jitted split compiled once per leaf shape:
+  7.8 s of a 24 + 24-layer T5's cold start)."""
+  if not _on_one_cpu(x):
+    return _split_on_device(x)
+  host = np.asarray(x)
+  return tuple(jnp.array(host[i]) for i in range(host.shape[0]))
 
 
 def _split_stack(stacked: Mapping, free_stacked: bool) -> dict:

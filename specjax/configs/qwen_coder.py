@@ -11,6 +11,9 @@ directories and cached under $SPECJAX_CACHE (default ~/.cache/specjax; ~6.5 GB i
         --prompt "Write a Python function that merges two sorted lists."
     python -m eval.latency --config qwen_coder.py --gamma 2,3,4,5,6 --num_prompts 3
     python -m eval.humaneval --config qwen_coder.py --limit 20
+    python -m eval.humaneval --config qwen_coder.py --limit 8 --config.decode.batch_size=8 \
+        --methods target,draft,exact,greedy,lenient:eps=0.1,fuzzy:threshold=0.3,adaptive
+    python -m train.distill --config distill_qwen_coder.py --workdir runs/distill_qwen_coder
 
 Weights run in float32: on XLA:CPU a bfloat16 matmul is several times slower than a float32 one
 (docs/results.md); `--config.target.dtype=bfloat16 --config.draft.dtype=bfloat16` halves memory.

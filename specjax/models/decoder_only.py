@@ -36,7 +36,8 @@ class DecoderOnly(ModelBase):
     (logits[B,V] f32, hidden[B,D]) at position lengths[b]-1."""
     kvc.check_capacity(prompt.tokens.shape[1], cache.capacity, "prompt")
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
-    hidden, logits, k, v = self.module.apply({"params": params}, prompt.tokens, cache.k, cache.v,
+    empty = cache.k[:, :, :, :0], cache.v[:, :, :, :0]     # nothing to attend to before the prompt
+    hidden, logits, k, v = self.module.apply({"params": params}, prompt.tokens, *empty,
                                              cache.lengths, select=prompt.lengths - 1)
     cache = kvc.append(cache, k, v).replace(lengths=prompt.lengths.astype(jnp.int32))
     return logits, hidden, cache

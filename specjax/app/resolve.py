@@ -6,6 +6,8 @@ tokenizer loaded."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from pathlib import Path
 
 import jax
@@ -13,6 +15,8 @@ import jax
 from specjax.app import builders, fetch, gguf_cache, zoo
 from specjax.data.tokenizer import get_tokenizer
 from specjax.models import gguf_import, hf_import, layers
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +54,13 @@ def load(spec: builders.ModelSpec) -> LoadedModel:
   check_arch(spec, hf_config.get("model_type"), path)
   tokenizer = load_tokenizer(spec, path)
   check_vocab(spec, hf_config.get("vocab_size"), tokenizer)       # before any weight is read
+  size_gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
+  log.info("loading the %s from %s (%.2f GB on disk) as %s ...", spec.role, path, size_gb,
+           spec.dtype)
+  start = time.perf_counter()
   model, params = hf_import.load_model(str(path), spec.dtype,
                                        scan_layers=layers.scan_layers(spec.layers))
+  log.info("loaded the %s in %.1fs", spec.role, time.perf_counter() - start)
   check_vocab(spec, model.vocab_size, tokenizer)
   params = builders.with_init_from(spec, params)
   return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tokenizer, path=path)

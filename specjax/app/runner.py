@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 
 from specjax.app import builders, methods
 from specjax.decoding.state import STAT_FIELDS as SPEC_FIELDS
 from specjax.sprinter.loop import EXTRA_FIELDS
+
+log = logging.getLogger(__name__)
 
 STAT_FIELDS = SPEC_FIELDS + EXTRA_FIELDS
 
@@ -38,6 +42,8 @@ def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: 
   has one shape (the eval tools); rows past the prompts are dropped."""
   texts = formatted(method, prompts)
   out = []
+  log.info("decoding %d prompt(s) with %s (the first batch of each shape compiles first) ...",
+           len(prompts), method.label)
   for start in range(0, len(prompts), batch_size):
     chunk = texts[start:start + batch_size]
     n = len(chunk)

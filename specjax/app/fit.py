@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 
 from specjax import checkpoint as ckpt_lib
-from specjax.app import builders, outputs, resolve
+from specjax.app import builders, outputs
 from specjax.app.config import ConfigError
 from specjax.distill import evals, sources
 from specjax.distill import trainer as trainer_lib
@@ -76,7 +76,7 @@ def _fit(config, cfg, workdir: Path, student, teacher, display, source):
 def open_source(spec: builders.DataSpec, batch_size: int):
   """The training data of the `data` section; its errors as advice on the flags that mend them."""
   options = sources.DataOptions(
-      kind=spec.source, task=spec.task, tokenizer=resolve.tokenizer_location(spec.tokenizer),
+      kind=spec.source, task=spec.task, tokenizer=spec.tokenizer,
       vocab_size=spec.vocab_size, prompt_len=spec.prompt_len, target_len=spec.target_len,
       seed=spec.seed, data_dir=spec.data_dir)
   try:

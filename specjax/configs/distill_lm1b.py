@@ -9,8 +9,9 @@
 
 Data: TFDS lm1b when prepared (--config.data.data_dir=DIR; the paper's tokenizer is T5's
 SentencePiece model: --config.data.tokenizer=/path/to/spiece.model). Without it, a logged notice
-and the offline stand-in: stdlib_lm (Python stdlib code) under stdlib:unigram:8000, whose 8000 ids
-fit the models' 32128. --config.data.source=markov trains on the synthetic Markov chain instead.
+and the offline stand-in: stdlib_lm (Python stdlib code) under stdlib:unigram:8000:2000000 (8000
+ids, trained on 2M characters of it), which fit the models' 32128. --config.data.source=markov
+trains on the synthetic Markov chain instead.
 Every eval_every steps: on-policy TVD and alpha / tau of exact SD (gamma = decode.gamma) on
 train.eval_prompts held-out prompts, in metrics.jsonl.
 """

@@ -12,7 +12,8 @@ Face cache (no download at run time): --config.target.checkpoint=/path/to/t5-v1_
 
 Data: TFDS xsum when prepared (--config.data.data_dir=DIR, --config.data.tokenizer= the
 checkpoint's spiece.model). Without it, a logged notice and the offline stand-in: stdlib_sum
-(stdlib function -> first docstring sentence) under stdlib:unigram:8000 (8000 ids fit 32128).
+(stdlib function -> first docstring sentence) under stdlib:unigram:8000:2000000 (8000 ids, fit
+32128).
 --config.data.source=markov trains on the synthetic Markov chain instead. Every eval_every steps:
 on-policy TVD and alpha / tau of exact SD (gamma = decode.gamma) on held-out prompts.
 """

@@ -16,15 +16,15 @@ def check_counts(**counts: int) -> None:
       raise ValueError(f"--{name} must be at least 1, got {value}")
 
 
-def parse_gammas(text: str) -> list[int]:
-  """'1,3,5' -> [1, 3, 5]; '' -> [] (the config's gamma)."""
+def parse_gammas(text: str, flag: str = "--gamma") -> list[int]:
+  """'1,3,5' -> [1, 3, 5]; '' -> [] (the config's gamma). `flag` names the flag in errors."""
   try:
     gammas = [int(g) for g in text.split(",") if g.strip()]
   except ValueError:
-    raise ValueError(f"--gamma must be comma-separated whole numbers, e.g. 1,3,5; "
+    raise ValueError(f"{flag} must be comma-separated whole numbers, e.g. 1,3,5; "
                      f"got {text!r}") from None
   if any(g < 1 for g in gammas):
-    raise ValueError(f"--gamma values must be at least 1, got {text!r}")
+    raise ValueError(f"{flag} values must be at least 1, got {text!r}")
   return gammas
 
 

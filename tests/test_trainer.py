@@ -42,7 +42,8 @@ def test_distillation_lowers_on_policy_tvd(tmp_path):
   source = data.MarkovSource(vocab_size=32, batch_size=8, prompt_len=4, target_len=8)
   cfg = trainer.TrainConfig(steps=24, batch_size=8, learning_rate=3e-2, warmup_steps=0,
                             decay_start=12, loss="fkl", lambda1=0.0, lambda2=1.0, log_every=8,
-                            checkpoint_every=100, eval_every=24, progress=False)
+                            checkpoint_every=100, eval_every=24, eval_at_start=True,
+                            progress=False)
   ticks = []
   tr = trainer.Trainer(cfg, student, teacher, source, tmp_path, eos_id=1, model_desc=repr(student),
                        tick=ticks.append)
@@ -54,7 +55,9 @@ def test_distillation_lowers_on_policy_tvd(tmp_path):
   print(f"on-policy TVD {before:.4f} -> {after:.4f}")
   assert after < 0.8 * before, (before, after)
   assert tr.steps_run == 24 and [t["step"] for t in ticks] == list(range(1, 25))
-  records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  first, *records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert first["step"] == 0 and first["event"] == "before training"    # eval_at_start
+  assert first["eval_tvd"] == pytest.approx(before, rel=1e-4) and "loss" not in first
   assert [r["step"] for r in records] == [1, 8, 16, 24]                # the first step always
   throughput_keys = {"tokens_per_s", "tokens_per_s_per_device", "step_s", "data_s", "generate_s",
                      "update_s"}

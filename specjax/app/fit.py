@@ -64,7 +64,7 @@ def _fit(config, cfg, workdir: Path, student, teacher, display, source):
                                 pad_id=spec.pad_id, model_desc=repr(model),
                                 show=display.show if display else None,
                                 tick=display.tick if display else None)
-  if cfg.eval_every and t_model is not None:
+  if (cfg.eval_every or cfg.eval_at_start) and t_model is not None:
     trainer.eval_fn = eval_hooks(config, cfg, trainer, source, t_params)
   state = trainer.run(params, t_params)
   # Exported when trained, or when a run that reached `steps` was killed before its export.

@@ -54,8 +54,8 @@ def training(**overrides) -> ml_collections.ConfigDict:
   """The `train` section of train.pretrain / train.distill (Table B.1 defaults)."""
   fields = dict(steps=300_000, batch_size=32, learning_rate=3e-4, warmup_steps=5_000,
                 decay_start=150_000, final_lr_ratio=0.1, optimizer="adafactor", seed=0,
-                log_every=100, checkpoint_every=2_000, eval_every=5_000, async_checkpoint=True,
-                progress=True)
+                log_every=100, checkpoint_every=2_000, eval_every=5_000, eval_at_start=False,
+                async_checkpoint=True, progress=True)
   fields.update(overrides)
   return ml_collections.ConfigDict(fields)
 

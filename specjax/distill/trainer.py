@@ -80,6 +80,7 @@ class TrainConfig:
   keep_checkpoints: int = 3
   async_checkpoint: bool = True
   eval_every: int = 0               # 0: no eval hook
+  eval_at_start: bool = False       # also evaluate before the first step (the draft as given)
   eval_prompts: int = 8             # held-out prompts of the speculative-decoding eval
   mesh_data: int = -1
   mesh_model: int = 1
@@ -537,6 +538,8 @@ class Trainer:
       metrics_log.resume(first)
     window = throughput.Window(self.mesh.devices.size,
                                throughput.peak_flops(jax.devices()[0].device_kind))
+    if first == 0 and cfg.eval_at_start and self.eval_fn is not None:
+      metrics_log.write(0, {**self._evaluate(0, state, due=True), "event": "before training"})
     for step in range(first, cfg.steps):
       state, metrics, source, seconds, shape = self.one_step(step, state, teacher_params)
       done = step + 1
@@ -570,8 +573,11 @@ class Trainer:
                              "non_finite": quantity})
     raise TrainingDivergedError(done, quantity, self.workdir, ckpt.latest_step())
 
-  def _evaluate(self, done: int, state: TrainState) -> dict:
-    if not (self.eval_fn and self.cfg.eval_every and done % self.cfg.eval_every == 0):
+  def _evaluate(self, done: int, state: TrainState, due: bool | None = None) -> dict:
+    """The eval hook's metrics after `done` steps when it is due (every eval_every steps)."""
+    if due is None:
+      due = bool(self.eval_fn and self.cfg.eval_every and done % self.cfg.eval_every == 0)
+    if not due:
       return {}
     started = time.perf_counter()
     extra = self.eval_fn(done, state)

@@ -126,3 +126,21 @@ def test_hf_tokenizer_from_local_directory(tmp_path):
   ids = tok.encode(text)
   assert tok.decode(ids) == text and tok.decode(ids + [tok.eos_id]) == text
   assert tok.id_to_piece(ids[0]) and tok.vocab_size == len(tok.tok)
+
+
+def test_tokenizers_are_loaded_under_the_transformers_lock(tmp_path, monkeypatch):
+  """transformers' lazy module is not thread-safe on first use (training loads its data's
+  tokenizer in a thread while the models' tokenizers load): every load holds one lock."""
+  import tiny_checkpoints   # tests/ is on sys.path under pytest
+  tiny_checkpoints.byte_level_bpe(tmp_path)
+  held = []
+
+  class Recording:
+    def __enter__(self):
+      held.append(True)
+    def __exit__(self, *exc):
+      held.append(False)
+
+  monkeypatch.setattr(tokenizer, "TRANSFORMERS", Recording())
+  tok = tokenizer.get_tokenizer(str(tmp_path))
+  assert held == [True, False] and tok.encode("def f")

@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from specjax.data.cache import atomic_write_bytes, cache_dir, settings_key
+from specjax.models.transformers_lock import TRANSFORMERS
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +115,12 @@ class HFTokenizer:
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> "HFTokenizer":
-    import transformers   # heavy import, only when used
     if not os.path.isdir(path):
       raise FileNotFoundError(f"no Hugging Face checkpoint directory at {path}: pass a local "
                               "directory holding tokenizer.json / tokenizer_config.json")
-    tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    with TRANSFORMERS:
+      import transformers   # heavy import, only when used
+      tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     generation = _generation_config(path)
     candidates = [tok.eos_token_id, *_id_list(generation.get("eos_token_id"))]
     eos_ids = tuple(dict.fromkeys(i for i in candidates if i is not None))   # unique, in order

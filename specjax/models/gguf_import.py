@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 
 from specjax.models import hf_tensors, llama
+from specjax.models.transformers_lock import TRANSFORMERS
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +401,6 @@ def build_tokenizer(ckpt: GGUFCheckpoint):
   """A transformers fast tokenizer from the metadata (byte-level BPE only)."""
   from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
   from tokenizers import pre_tokenizers
-  import transformers
   meta = ckpt.metadata
   kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
   if kind != "gpt2":
@@ -436,12 +436,14 @@ def build_tokenizer(ckpt: GGUFCheckpoint):
   ids = _special_ids(meta)
   name = lambda i: tokens[i] if i is not None else None
   eos = ids["eos_token_id"]
-  return transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok, bos_token=name(ids["bos_token_id"]),
-      eos_token=name(eos[0] if isinstance(eos, list) else eos),
-      pad_token=name(ids["pad_token_id"]),
-      unk_token=name(meta.get("tokenizer.ggml.unknown_token_id")),
-      chat_template=meta.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False)
+  with TRANSFORMERS:
+    import transformers
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=name(ids["bos_token_id"]),
+        eos_token=name(eos[0] if isinstance(eos, list) else eos),
+        pad_token=name(ids["pad_token_id"]),
+        unk_token=name(meta.get("tokenizer.ggml.unknown_token_id")),
+        chat_template=meta.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False)
 
 
 def generation_config(ckpt: GGUFCheckpoint) -> dict:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from specjax.models.hf_tensors import CorruptCheckpointError, LazyTensors
+from specjax.models.transformers_lock import TRANSFORMERS
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -151,9 +152,10 @@ def _model_from_config(mod, hf_config: dict, dtype: str, file: Path):
 
 
 def load_tokenizer(name_or_dir: str):
-  from transformers import AutoTokenizer
   path = resolve_checkpoint(name_or_dir)
-  return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+  with TRANSFORMERS:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def save_model(model, params, out_dir: str) -> Path:

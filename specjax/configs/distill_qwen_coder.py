@@ -1,7 +1,8 @@
 """DistillSpec on the real pair: the Qwen2.5-Coder-0.5B-Instruct draft (student) distilled toward
 the 1.5B-Instruct target (teacher), on Python code (the offline stdlib corpus) under their own
 tokenizer. Sized for a 2-core CPU: batch 2, 16 prompt + 16 target tokens, 2 steps, evaluated
-before the first and after the last: about 10 minutes on a 2-core CPU, both models in float32.
+before the first and after the last: 6.5 minutes on an idle 2-core CPU, both models in float32,
+peak host memory 22.4 GB (--config.target.dtype=bfloat16 saves 3.5 GB).
 
     python -m train.distill --config distill_qwen_coder.py --workdir runs/distill_qwen_coder
 

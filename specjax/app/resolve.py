@@ -46,9 +46,9 @@ def checkpoint_dir(spec: builders.ModelSpec) -> Path:
 
 
 _PAIR_SCHEMES = ("builtin:", fetch.SCHEME)
-
-
-_PAIR_LOCK = threading.Lock()   # training opens its data (tokenizer) while building the models
+# Training opens its data (a pair's tokenizer) in a thread while building the models; re-entrant,
+# since building the embedded pair trains with specjax's own tools.
+_PAIR_LOCK = threading.RLock()
 
 
 def _pair_dir(name: str) -> Path:

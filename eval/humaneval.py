@@ -106,7 +106,8 @@ def check_program(problem: dict, completion: str) -> str:
 
 
 def evaluate(problems: list[dict], completions: list[str], limits: sandbox.Limits) -> list[dict]:
-  """One record per problem: its truncated completion and the sandboxed test outcome."""
+  """One record per completion (problem, sample): the truncated completion and its sandboxed
+  test outcome."""
   kept = [truncate(c) for c in completions]
   outcomes = sandbox.run_all([check_program(p, c) for p, c in zip(problems, kept)], limits)
   return [{"task_id": p["task_id"], "sample": p.get("sample", 0), "completion": c,

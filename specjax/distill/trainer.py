@@ -539,7 +539,7 @@ class Trainer:
     window = throughput.Window(self.mesh.devices.size,
                                throughput.peak_flops(jax.devices()[0].device_kind))
     if first == 0 and cfg.eval_at_start and self.eval_fn is not None:
-      metrics_log.write(0, {**self._evaluate(0, state, due=True), "event": "before training"})
+      metrics_log.write(0, {**self._run_eval(0, state), "event": "before training"})
     for step in range(first, cfg.steps):
       state, metrics, source, seconds, shape = self.one_step(step, state, teacher_params)
       done = step + 1
@@ -573,12 +573,13 @@ class Trainer:
                              "non_finite": quantity})
     raise TrainingDivergedError(done, quantity, self.workdir, ckpt.latest_step())
 
-  def _evaluate(self, done: int, state: TrainState, due: bool | None = None) -> dict:
+  def _evaluate(self, done: int, state: TrainState) -> dict:
     """The eval hook's metrics after `done` steps when it is due (every eval_every steps)."""
-    if due is None:
-      due = bool(self.eval_fn and self.cfg.eval_every and done % self.cfg.eval_every == 0)
-    if not due:
+    if not (self.eval_fn and self.cfg.eval_every and done % self.cfg.eval_every == 0):
       return {}
+    return self._run_eval(done, state)
+
+  def _run_eval(self, done: int, state: TrainState) -> dict:
     started = time.perf_counter()
     extra = self.eval_fn(done, state)
     first = " (the first evaluation compiles it)" if not self._evaluated else ""

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from specjax.models.hf_tensors import CorruptCheckpointError, LazyTensors
-from specjax.models.transformers_lock import TRANSFORMERS
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -149,13 +148,6 @@ def _model_from_config(mod, hf_config: dict, dtype: str, file: Path):
   except TypeError as err:          # e.g. a null or a string where a size belongs
     raise ValueError(f"{file} (model_type '{hf_config.get('model_type')}') has a field of the "
                      f"wrong type: {err}") from None
-
-
-def load_tokenizer(name_or_dir: str):
-  path = resolve_checkpoint(name_or_dir)
-  with TRANSFORMERS:
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def save_model(model, params, out_dir: str) -> Path:

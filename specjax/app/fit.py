@@ -76,9 +76,9 @@ def _fit(config, cfg, workdir: Path, student, teacher, display, source):
 def open_source(spec: builders.DataSpec, batch_size: int):
   """The training data of the `data` section; its errors as advice on the flags that mend them."""
   options = sources.DataOptions(
-      kind=spec.source, task=spec.task, tokenizer=spec.tokenizer,
-      vocab_size=spec.vocab_size, prompt_len=spec.prompt_len, target_len=spec.target_len,
-      seed=spec.seed, data_dir=spec.data_dir)
+      kind=spec.source, task=spec.task, tokenizer=spec.tokenizer, vocab_size=spec.vocab_size,
+      prompt_len=spec.prompt_len, target_len=spec.target_len, seed=spec.seed,
+      data_dir=spec.data_dir)
   try:
     return sources.open_source(options, batch_size)
   except sources.UnknownSourceError as err:

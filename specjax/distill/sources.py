@@ -25,9 +25,9 @@ from specjax.distill import data as data_lib
 log = logging.getLogger(__name__)
 
 OFFLINE_ANALOGUE = {"lm": "stdlib_lm", "seq2seq": "stdlib_sum"}
-# Fits the T5 / LM1B vocabularies (32128). Trained on the corpus's first 2M characters: 3-4 s on
-# a cold 2-core machine against 34 s for all 7.8M (1.7% more tokens per character on held-out
-# text), which was the largest part of a cold run's wait before the first step.
+# Fits the T5 / LM1B vocabularies (32128). Trained on the corpus's first 2M characters: 5-6.5 s in
+# a cold run on 2 cores (beside the model builds) against 34 s for all 7.8M, which was the largest
+# part of the wait before the first step; 1.7% more tokens per character on held-out text.
 OFFLINE_TOKENIZER = "stdlib:unigram:8000:2000000"
 KINDS = ("markov", "task")
 

@@ -127,8 +127,10 @@ class Method:
     return self.name
 
   @property
-  def eos_id(self) -> int:
-    return int(self.target.tokenizer.eos_id)
+  def eos_id(self) -> tuple[int, ...]:
+    """Every id that ends a generation (Qwen: <|endoftext|> and <|im_end|>): the loop stops a
+    row at any of them."""
+    return prompting.eos_ids(self.target.tokenizer)
 
   @property
   def draft_model(self) -> resolve.LoadedModel | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,14 +18,10 @@ import jax.numpy as jnp
 from specjax import sampling
 from specjax.decoding import sharded
 from specjax.decoding.state import (TARGET, Generation, SpecState, SpecStats, check_finite, finish,
-                                    nonfinite_rows, write_rows)
+                                    OnChunk, chunk_loop, drive, is_stop, nonfinite_rows,
+                                    stop_ids, write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
-
-
-def eos_value(eos_id: int | None) -> int:
-  """None disables EOS (-1 never matches a token id)."""
-  return -1 if eos_id is None else int(eos_id)
 
 
 def check_lengths(max_new_tokens: int, prompt: Prompt) -> None:
@@ -58,20 +54,21 @@ class Setup:
   """Everything static about one generation (the jit cache key)."""
   model: Any
   warp: sampling.Warp
-  eos: int          # -1: no EOS
+  eos: tuple[int, ...]   # stop ids; (): none
   max_new: int
   max_len: int      # cache capacity
   mesh: Any = None  # a ('data', 'model') Mesh: the loop runs sharded over it
 
 
 def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: int,
-             warp: sampling.Warp, eos_id: int | None, max_len: int | None = None,
-             mesh=None) -> Generation:
+             warp: sampling.Warp, eos_id: int | Sequence[int] | None, max_len: int | None = None,
+             mesh=None, on_chunk: OnChunk | None = None, chunk_blocks: int = 1) -> Generation:
   """Sample up to max_new_tokens per row from the (warped) target.
 
   key: one PRNG key (row b uses fold_in(key, b)) or per-row keys [B]. max_len: cache size
   (default: just enough); checked on the host before anything is compiled. mesh: a ('data',
   'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one device.
+  on_chunk: streaming, as in speculative.generate (chunks of `chunk_blocks` steps; one device).
   Raises NonFiniteLogitsError if the model's logits held NaN / inf (instead of returning the
   tokens sampled from them).
   """
@@ -80,9 +77,15 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, "prompt + max_new_tokens")
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
-  setup = Setup(model, warp, eos_value(eos_id), max_new_tokens, max_len, mesh)
+  setup = Setup(model, warp, stop_ids(eos_id), max_new_tokens, max_len, mesh)
   if mesh is not None:
+    if on_chunk is not None:
+      raise ValueError("on_chunk steps the loop from the host on one device: leave mesh unset")
     gen = sharded.generate(loop, setup, (model,), (params,), (prompt,), keys, max_new_tokens)
+  elif on_chunk is not None:
+    state = drive(_init_jit(setup, params, prompt, keys),
+                  lambda s: _chunk_jit(setup, params, s, chunk_blocks), on_chunk)
+    gen = finish(state, max_new_tokens)
   else:
     gen = finish(_run(setup, params, prompt, keys), max_new_tokens)
   return check_finite(gen, model)
@@ -115,7 +118,7 @@ def _init(setup: Setup, params, prompt, keys) -> SpecState:
   ones = jnp.ones((batch,), jnp.int32)
   return SpecState(
       tokens=jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(first),
-      lengths=ones, done=(first == setup.eos) | (max_new <= 1),
+      lengths=ones, done=is_stop(first, setup.eos) | (max_new <= 1),
       last_two=jnp.stack([stream_anchor(model, prompt), first], axis=1),
       target_cache=cache, draft_cache=None, rule_state=(), key=keys,
       stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones)
@@ -129,10 +132,19 @@ def _step(model, warp, eos, max_new, params, s: SpecState) -> SpecState:
   cache = kv_cache.rollback(cache, jnp.where(live, cache.lengths, s.target_cache.lengths))
   write_at = jnp.where(live, s.lengths, max_new)                          # max_new: dropped
   lengths = s.lengths + live
-  done = s.done | (live & ((token == eos) | (lengths >= max_new)))
+  done = s.done | (live & (is_stop(token, eos) | (lengths >= max_new)))
   shifted = jnp.stack([s.last_two[:, 1], token], axis=1)
   return s.replace(
       tokens=write_rows(s.tokens, write_at, token), lengths=lengths, done=done,
       last_two=jnp.where(live[:, None], shifted, s.last_two), target_cache=cache,
       stats=s.stats.add(blocks=live, emitted=live, target_passes=live)
       .flag(TARGET, live & nonfinite_rows(logits)))
+
+
+_init_jit = jax.jit(_init, static_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
+def _chunk_jit(setup: Setup, params, state: SpecState, steps: int) -> SpecState:
+  step = functools.partial(_step, setup.model, setup.warp, setup.eos, setup.max_new, params)
+  return chunk_loop(step, state, steps)

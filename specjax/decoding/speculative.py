@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Any
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -34,7 +34,8 @@ from specjax.acceptance import base, registry
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
 from specjax.decoding.state import (DRAFT, TARGET, Generation, SpecState, SpecStats,
-                                    check_finite, finish, nonfinite_rows, write_rows)
+                                    OnChunk, check_finite, chunk_loop, drive, finish, is_stop,
+                                    nonfinite_rows, stop_ids, write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -48,7 +49,7 @@ class Setup:
   gamma: int
   max_new: int
   warp: sampling.Warp
-  eos: int          # -1: no EOS
+  eos: tuple[int, ...]   # stop ids; (): none
   max_len: int      # cache capacity of both models
   mesh: Any = None  # a ('data', 'model') Mesh: the loop runs sharded over it (decoding/sharded.py)
 
@@ -63,8 +64,9 @@ class Anchors:
 
 def generate(target, target_params, draft, draft_params, prompt: Prompt, key: jax.Array, *,
              rule: base.Rule | str, gamma: int, max_new_tokens: int, warp: sampling.Warp,
-             eos_id: int | None, draft_prompt: Prompt | None = None, max_len: int | None = None,
-             debug: bool = False, mesh=None) -> Generation:
+             eos_id: int | Sequence[int] | None, draft_prompt: Prompt | None = None, max_len: int | None = None,
+             debug: bool = False, mesh=None, on_chunk: OnChunk | None = None,
+             chunk_blocks: int = 1) -> Generation:
   """Speculative decoding of up to max_new_tokens per row.
 
   rule: a Rule or a registered name. key: one PRNG key (row b uses fold_in(key, b)) or per-row
@@ -72,7 +74,10 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   cache size of both models (default: just enough). debug=True runs the same block function from
   a Python loop, one jitted call per block (wrap the call in `jax.disable_jit()` to run eagerly).
   mesh: a ('data', 'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one
-  device. Raises NonFiniteLogitsError if either model's logits held NaN / inf.
+  device. on_chunk: streaming: the loop runs chunks of `chunk_blocks` blocks, one compiled call
+  each with the state donated, and calls on_chunk(tokens [B, N], lengths [B]) after the prefill
+  and after each chunk (state.drive: it may end rows, e.g. at a stop string); one device only.
+  Raises NonFiniteLogitsError if either model's logits held NaN / inf.
   """
   setup = _validate(target, draft, prompt, draft_prompt, rule=rule, gamma=gamma,
                     max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
@@ -80,13 +85,15 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   draft_prompt = prompt if draft_prompt is None else draft_prompt
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
   if mesh is not None:
-    if debug:
-      raise ValueError("debug=True steps the loop on one device: leave mesh unset to debug")
+    if debug or on_chunk is not None:
+      raise ValueError("debug=True and on_chunk step the loop from the host on one device: "
+                       "leave mesh unset")
     gen = sharded.generate(loop, setup, (target, draft), (target_params, draft_params),
                            (prompt, draft_prompt), keys, max_new_tokens)
     return check_finite(gen, target, draft)
-  if debug:
-    state = _run_python(setup, target_params, draft_params, prompt, draft_prompt, keys)
+  if debug or on_chunk is not None:
+    state = _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys,
+                         on_chunk, 1 if debug else chunk_blocks)
   else:
     state = run(setup, target_params, draft_params, prompt, draft_prompt, keys)
   return check_finite(finish(state, max_new_tokens), target, draft)
@@ -121,7 +128,7 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
   return Setup(target=target, draft=draft, rule=rule, gamma=gamma, max_new=max_new_tokens,
-               warp=warp, eos=ar.eos_value(eos_id), max_len=max_len)
+               warp=warp, eos=stop_ids(eos_id), max_len=max_len)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -143,14 +150,14 @@ def loop(setup: Setup, params, prompts, keys: jax.Array) -> SpecState:
                             sharded.pin(state, setup.mesh))
 
 
-def _run_python(setup, target_params, draft_params, prompt, draft_prompt, keys) -> SpecState:
-  """The same init/block functions, one jitted call per block with the state donated, driven by a
-  host loop: the state can be inspected between blocks. Under `with jax.disable_jit():` everything
-  runs eagerly (breakpoints inside rules and models work)."""
+def _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, on_chunk,
+                 blocks: int) -> SpecState:
+  """The same init/block functions, one jitted call per chunk of `blocks` blocks with the state
+  donated, driven by a host loop (state.drive): the state can be inspected between chunks. Under
+  `with jax.disable_jit():` everything runs eagerly (breakpoints inside rules and models work)."""
   state, anchors = _init_jit(setup, target_params, draft_params, prompt, draft_prompt, keys)
-  while not bool(jnp.all(state.done)):
-    state = _block_jit(setup, target_params, draft_params, anchors, state)
-  return state
+  advance = lambda s: _chunk_jit(setup, target_params, draft_params, anchors, s, blocks)
+  return drive(state, advance, on_chunk)
 
 
 def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
@@ -170,7 +177,7 @@ def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
   ones = jnp.ones((batch,), jnp.int32)
   state = SpecState(
       tokens=jnp.zeros((batch, setup.max_new), jnp.int32).at[:, 0].set(first),
-      lengths=ones, done=(first == setup.eos) | (setup.max_new <= 1),
+      lengths=ones, done=is_stop(first, setup.eos) | (setup.max_new <= 1),
       last_two=jnp.stack([ar.stream_anchor(target, prompt), first], axis=1),
       target_cache=tcache, draft_cache=dcache, rule_state=setup.rule.init_state(batch), key=keys,
       stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones,
@@ -366,7 +373,7 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
   j = jnp.arange(K + 1)[None, :]                                          # [1, K+1]
   drafts = jnp.pad(d.tokens, ((0, 0), (0, 1)))                            # [B, K+1]
   out = jnp.where(j < n[:, None], drafts, jnp.where(j == n[:, None], next_token[:, None], 0))
-  is_eos = (out == setup.eos) & (j <= n[:, None])
+  is_eos = is_stop(out, setup.eos) & (j <= n[:, None])
   first_eos = jnp.argmax(is_eos, axis=1)
   has_eos = jnp.any(is_eos, axis=1)
   count = jnp.where(has_eos, first_eos + 1, n + 1)
@@ -378,8 +385,12 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
   last_two = jnp.stack([jnp.take_along_axis(ext, count[:, None], 1)[:, 0],
                         jnp.take_along_axis(ext, count[:, None] + 1, 1)[:, 0]], axis=1)
   as_int = lambda x: jnp.where(live, x, 0)
-  stats = s.stats.add(blocks=live, drafted=as_int(d.draft_len), accepted=as_int(n),
-                      verified=as_int(jnp.minimum(n + 1, d.draft_len)), emitted=count,
+  # Counts stop at what was committed: a block cut by EOS or max_new_tokens after c tokens
+  # accepted at most c of its drafts (and verified no more than it committed).
+  stats = s.stats.add(blocks=live, drafted=as_int(d.draft_len),
+                      accepted=as_int(jnp.minimum(n, count)),
+                      verified=as_int(jnp.minimum(jnp.minimum(n + 1, d.draft_len), count)),
+                      emitted=count,
                       target_passes=live, draft_passes=as_int(d.passes))
   return s.replace(
       tokens=write_rows(s.tokens, write_at, out), lengths=lengths, done=done,
@@ -388,4 +399,10 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
 
 
 _init_jit = jax.jit(init, static_argnums=0)
-_block_jit = jax.jit(block, static_argnums=0, donate_argnums=4)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)
+def _chunk_jit(setup: Setup, target_params, draft_params, anchors: Anchors, state: SpecState,
+               blocks: int) -> SpecState:
+  step = functools.partial(block, setup, target_params, draft_params, anchors)
+  return chunk_loop(step, state, blocks)

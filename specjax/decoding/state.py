@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable, Optional
 
 import flax.struct
 import jax
@@ -141,6 +141,26 @@ def check_finite(gen: "Generation", target, draft=None) -> "Generation":
   return gen
 
 
+def stop_ids(eos) -> tuple[int, ...]:
+  """The stop ids of a decoding loop: None -> () (no EOS: rows run to max_new_tokens), one id,
+  or a sequence of ids (Qwen ends at <|endoftext|> and <|im_end|>). Negative ids are refused:
+  no loop gives them a meaning."""
+  if eos is None:
+    return ()
+  ids = (eos,) if isinstance(eos, (int, np.integer)) else tuple(eos)
+  if any(isinstance(i, bool) or int(i) != i or int(i) < 0 for i in ids):
+    raise ValueError(f"eos_id must be None, a token id >= 0 or a sequence of them, got {eos!r}")
+  return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def is_stop(tokens: jax.Array, eos: tuple[int, ...]) -> jax.Array:
+  """tokens == any of the stop ids (static), elementwise; all False when eos is ()."""
+  hit = jnp.zeros(tokens.shape, bool)
+  for i in eos:
+    hit = hit | (tokens == i)
+  return hit
+
+
 def write_rows(buffer: jax.Array, at: jax.Array, values: jax.Array) -> jax.Array:
   """buffer[b, at[b, ...]] = values[b, ...] per row; indices past the buffer are dropped.
   buffer [B, N], at and values [B] or [B, K]. One scatter batched over rows, so that rows split
@@ -154,3 +174,32 @@ def finish(state: SpecState, max_new_tokens: int) -> Generation:
   tokens = state.tokens[:, :max_new_tokens]
   valid = jnp.arange(tokens.shape[1])[None, :] < state.lengths[:, None]
   return Generation(tokens=jnp.where(valid, tokens, 0), lengths=state.lengths, stats=state.stats)
+
+
+# on_chunk(tokens [B, N], lengths [B]) -> rows to stop now ([B] bool) or None; numpy on the host.
+OnChunk = Callable[[np.ndarray, np.ndarray], Optional[np.ndarray]]
+
+
+def drive(state: SpecState, advance: Callable[[SpecState], SpecState],
+          on_chunk: OnChunk | None = None) -> SpecState:
+  """The host loop of a chunked generation: `advance` runs one compiled chunk of blocks (the
+  state donated to it) until every row is done. After the prefill and after each chunk,
+  on_chunk sees the committed tokens (streaming, stop strings) and may end rows: they are marked
+  done and keep what they committed. Returns the final state."""
+  while True:
+    if on_chunk is not None:
+      stop = on_chunk(np.asarray(state.tokens), np.asarray(state.lengths))
+      if stop is not None and np.any(stop):
+        state = state.replace(done=state.done | jnp.asarray(stop, bool))
+    if bool(jnp.all(state.done)):
+      return state
+    state = advance(state)
+
+
+def chunk_loop(step: Callable[[SpecState], SpecState], state: SpecState, blocks: int) -> SpecState:
+  """At most `blocks` applications of step while some row is not done (inside jit)."""
+  def body(carry):
+    i, s = carry
+    return i + 1, step(s)
+  return jax.lax.while_loop(lambda c: (c[0] < blocks) & ~jnp.all(c[1].done), body,
+                            (jnp.int32(0), state))[1]

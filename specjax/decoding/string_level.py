@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling
-from specjax.decoding.state import DRAFT, TARGET, SpecStats, check_finite, nonfinite_rows
+from specjax.decoding.state import (DRAFT, TARGET, SpecStats, check_finite, nonfinite_rows,
+                                    stop_ids)
 from specjax.models import kv_cache, prompting
 
 MAX_CANDIDATES = 31          # a verify pass covers at most this many candidates (bucket 32)
@@ -286,11 +287,13 @@ class Streams:
   out: list[int] = dataclasses.field(default_factory=list)
   stats: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0))
 
-  def emit(self, tokens: list[int], max_new: int, eos_id: int | None) -> bool:
-    """Append tokens (cut at EOS / max_new) to x_T and the output; True when generation ends."""
+  def emit(self, tokens: list[int], max_new: int, eos: tuple[int, ...]) -> bool:
+    """Append tokens (cut at a stop id / max_new) to x_T and the output; True when generation
+    ends."""
     done = False
-    if eos_id is not None and eos_id in tokens:
-      tokens, done = tokens[:tokens.index(eos_id) + 1], True
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    if stop is not None:
+      tokens, done = tokens[:stop + 1], True
     tokens = tokens[:max_new - len(self.out)]
     self.out += tokens
     self.x_t += tokens
@@ -299,7 +302,7 @@ class Streams:
 
 
 def slem_round(backend: Backend, s: Streams, target_tok, draft_tok, *, gamma: int, max_new: int,
-               eos_id: int | None, lookbehind: int = 10) -> bool:
+               eos_id: tuple[int, ...], lookbehind: int = 10) -> bool:
   """One SLEM iteration (Alg 2); returns True when the generation is finished."""
   g, n_d, n_t = len(s.out), len(s.x_d), len(s.x_t)
   drafts = backend.draft_propose(s.x_d, gamma, g)
@@ -403,7 +406,7 @@ def _sample_path(backend: Backend, x_d: list[int], prop: Proposer, rng) -> tuple
 
 
 def slrs_step(backend: Backend, s: Streams, prop: Proposer, rng, *, max_new: int,
-              eos_id: int | None, lookbehind: int = 10, prune: bool = True,
+              eos_id: tuple[int, ...], lookbehind: int = 10, prune: bool = True,
               max_trials: int = 10_000) -> bool:
   """One SLRS iteration (Alg 3): one emitted target token; True when the generation ends."""
   path, passes = _sample_path(backend, s.x_d, prop, rng)
@@ -450,6 +453,7 @@ def run(backend: Backend, target_tok, draft_tok, x_t: list[int], x_d: list[int],
   """The host loop on any Backend (models or test tables)."""
   if method not in ("slem", "slrs"):
     raise ValueError(f"method must be 'slem' or 'slrs', got {method!r}")
+  eos_id = stop_ids(eos_id)
   s = Streams(x_t=list(x_t), x_d=list(x_d), prompt_t=len(x_t), prompt_d=len(x_d))
   prop = Proposer(target_tok, draft_tok, max_depth) if method == "slrs" else None
   done = False
@@ -469,19 +473,20 @@ def generate(target, target_params, target_tok, draft, draft_params, draft_tok, 
              x_d: list[int], key: jax.Array, *, method: str = "slem", gamma: int = 4,
              max_new_tokens: int = 32,
              warp: sampling.Warp = sampling.Warp(), lookbehind: int = 10, max_depth: int = 3,
-             eos_id: int | None = -1, max_len: int | None = None) -> StringGeneration:
+             eos_id: int | Sequence[int] | None, max_len: int | None = None
+             ) -> StringGeneration:
   """SLEM or SLRS generation of up to max_new_tokens target tokens after one prompt (batch 1),
   given as the target's and the draft's token lists (`models.prompting.encode` of the text).
 
-  eos_id -1: the target tokenizer's EOS; None: no EOS. SLEM draws every emitted token with the
-  autoregressive key of its position, so it equals autoregressive.generate with the same key
-  (greedy at temperature 0). SLRS (max_depth: the drafting lookahead) uses a host RNG seeded from
+  eos_id: the stop ids (one id, several, or None: none; state.stop_ids). SLEM draws every
+  emitted token with the autoregressive key of its position, so it equals
+  autoregressive.generate with the same key (greedy at temperature 0). SLRS (max_depth: the drafting lookahead) uses a host RNG seeded from
   key. max_len: both KV caches' size (default: generous for this prompt and max_new_tokens).
   Raises NonFiniteLogitsError if either model's logits held NaN / inf.
   """
   if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
     raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got {gamma!r}")
-  eos_id = target_tok.eos_id if eos_id == -1 else eos_id
+  eos_id = stop_ids(eos_id)
   x_t, x_d = [int(t) for t in x_t], [int(t) for t in x_d]
   if not max_len:    # room for a draft stream ~3x the target's; capped by position tables
     limits = [getattr(getattr(m, "config", None), "n_positions", None) for m in (target, draft)]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Any
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -42,7 +42,8 @@ from specjax.acceptance import base
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
 from specjax.decoding.state import (DRAFT, STAT_FIELDS, TARGET, Generation, SpecStats,
-                                    check_finite, finish, nonfinite_rows, write_rows)
+                                    check_finite, finish, is_stop, nonfinite_rows, stop_ids,
+                                    write_rows)
 from specjax.models import Prompt, prompting
 from specjax.models import kv_cache
 
@@ -89,7 +90,7 @@ class Setup:
   width: int            # target chunk width: the most pending tokens a row can have
   max_new: int
   warp: sampling.Warp
-  eos: int              # -1: no EOS
+  eos: tuple[int, ...]  # stop ids; (): none
   max_len: int          # cache capacity of both models
   mesh: Any = None      # a ('data', 'model') Mesh: the loop runs sharded over it
 
@@ -117,7 +118,7 @@ class Anchors:
 
 def generate(target, target_params, draft, draft_params, verifier, verifier_params,
              prompt: Prompt, key: jax.Array, *, threshold: float, gamma_max: int | None,
-             max_new_tokens: int, warp: sampling.Warp, eos_id: int | None,
+             max_new_tokens: int, warp: sampling.Warp, eos_id: int | Sequence[int] | None,
              max_len: int | None = None, debug: bool = False, mesh=None) -> Generation:
   """SPRINTER decoding of up to max_new_tokens per row; stats are SprinterStats.
 
@@ -169,7 +170,7 @@ def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_
   kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma_max + 1 ({width})")
   return Setup(target=target, draft=draft, verifier=verifier, threshold=float(threshold),
                cap=cap, width=width, max_new=max_new_tokens, warp=warp,
-               eos=ar.eos_value(eos_id), max_len=max_len)
+               eos=stop_ids(eos_id), max_len=max_len)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -311,7 +312,7 @@ def _commit(setup: Setup, s: SeqState, live, y, need) -> SeqState:
   """Write y at each live row's length; done at EOS or max_new_tokens."""
   write_at = jnp.where(live, s.lengths, setup.max_new)                   # max_new: dropped
   lengths = s.lengths + live
-  done = s.done | (live & ((y == setup.eos) | (lengths >= setup.max_new)))
+  done = s.done | (live & (is_stop(y, setup.eos) | (lengths >= setup.max_new)))
   return s.replace(tokens=write_rows(s.tokens, write_at, y), lengths=lengths,
                    done=done, run_len=jnp.where(need, 0, s.run_len + live))
 

@@ -46,7 +46,7 @@ import jax
 
 from eval import flags, sandbox
 from specjax.app import builders, cli, methods, outputs, runner
-from specjax.app.config import ConfigError, load_config
+from specjax.app.config import ConfigError, input_paths, load_config
 from specjax.models import prompting
 
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\n@", "\nprint", "\nif", "\n```")
@@ -244,6 +244,8 @@ def main(argv=None) -> int:
     out_path = args.output_json and outputs.check_output_file(args.output_json, "--output_json")
     items = parse_methods(args.methods)
     config = load_config(args.config, overrides)
+    outputs.check_not_input(out_path, {"--problems": args.problems,
+                                       **input_paths(args.config, config)}, "--output_json")
     settings = builders.decode_settings(config)
     problems = with_samples(load_problems(problems_file(args.problems), args.limit),
                             args.samples, settings.temperature)

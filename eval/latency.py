@@ -27,7 +27,7 @@ import jax
 
 from eval import flags, timing
 from specjax.app import builders, cli, methods, outputs, runner
-from specjax.app.config import load_config
+from specjax.app.config import input_paths, load_config
 from specjax.models import prompting
 
 
@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     output = flags.output_file(args.output_json, "--output_json")
     cli.setup()
     config = load_config(args.config, overrides)
+    outputs.check_not_input(output, input_paths(args.config, config), "--output_json")
     dec = methods.build(config)
     if not isinstance(dec, methods.Speculative):
       raise ValueError(f"eval.latency compares target-only and speculative decoding; the config "

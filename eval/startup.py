@@ -36,6 +36,7 @@ import time
 
 from eval import flags
 from specjax.app import cli, outputs
+from specjax.app.config import input_paths, load_config
 
 PHASES = ("python", "import", "config", "load", "trace", "lower", "compile", "run", "exit")
 COLUMNS = ("case", "cache", "whole_s", "cpu_s", "first_s", *(f"{p}_s" for p in PHASES), "fetched",
@@ -222,6 +223,21 @@ def cases_from(args, overrides: list[str]) -> list[Case]:
   return cases or [Case("run", tuple(overrides))]
 
 
+def check_outputs(config: str, cases: list[Case], outs: dict) -> None:
+  """Refuse an output (flag -> path or None) that is an input of a case (its config file, a
+  checkpoint) or another output's file."""
+  inputs = {}
+  for case in cases:
+    inputs.update(input_paths(config, load_config(config, list(case.overrides))))
+  for flag, path in outs.items():
+    outputs.check_not_input(path, inputs, flag)
+  given = [(flag, path) for flag, path in outs.items() if path]
+  for i, (flag, path) in enumerate(given):
+    for other, other_path in given[:i]:
+      if path == other_path and not outputs.writes_in_place(path):
+        raise outputs.OutputPathError(f"{flag} {path} is also {other}: give each its own file")
+
+
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
 
@@ -230,7 +246,10 @@ def main(argv=None) -> int:
     out_json = flags.output_file(args.output_json, "--output_json")
     out_md = flags.output_file(args.output_md, "--output_md")
     config = "t5_xl_small.py" if args.t5_benchmark else args.config
-    cases = cases_from(args, overrides)
+    probe_cases = None if args.t5_benchmark else cases_from(args, overrides)
+    check_outputs(config, probe_cases or [Case("run", tuple(overrides))],
+                  {"--output_json": out_json, "--output_md": out_md})
+    cases = probe_cases or cases_from(args, overrides)
     with tempfile.TemporaryDirectory(prefix="specjax-startup-") as work:
       runs = measure(cases, config, args.prompt, args.repeats, pathlib.Path(work))
     rows = medians(runs)

@@ -4,11 +4,12 @@ A run resumes from its workdir by default. Each checkpoint carries the model's s
 description, parameter count, and every param's path, shape and dtype) and a fingerprint of it;
 opening a workdir whose checkpoint has other param shapes raises `CheckpointMismatchError`, naming
 both models and their differing shapes, before anything is written, so a run never overwrites
-another model's checkpoints.
+another model's checkpoints. `lock_workdir` keeps a second run out of a workdir in use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -17,7 +18,9 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
+import filelock
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -35,6 +38,47 @@ class CheckpointMismatchError(ValueError):
         f"{saved.summary()}. This run's: {current.summary()}. {_shape_differences(saved, current)}"
         f"Nothing was written. Use another workdir, or delete {workdir / 'checkpoints'} to start "
         f"over.")
+
+
+class WorkdirBusyError(ValueError):
+  """Another process holds the workdir's lock; carries the `workdir` and the holder's `pid`
+  (None when it could not be read)."""
+
+  def __init__(self, workdir: Path, pid: int | None):
+    self.workdir, self.pid = workdir, pid
+    holder = f"process {pid}" if pid is not None else "another process"
+    super().__init__(f"workdir {workdir} is in use by another training run ({holder} holds "
+                     f"{workdir / LOCK_FILE})")
+
+
+LOCK_FILE = ".specjax.lock"          # the lock; the holder's pid is in LOCK_FILE + ".pid"
+
+
+@contextlib.contextmanager
+def lock_workdir(workdir) -> Iterator[None]:
+  """Hold WORKDIR/.specjax.lock (an OS file lock, released when the process dies) for the block,
+  with this process's pid in WORKDIR/.specjax.lock.pid; WorkdirBusyError at once if another
+  process holds it."""
+  workdir = Path(workdir).absolute()
+  lock = filelock.FileLock(str(workdir / LOCK_FILE))
+  pid_file = workdir / (LOCK_FILE + ".pid")
+  try:
+    lock.acquire(timeout=0)
+  except filelock.Timeout:
+    raise WorkdirBusyError(workdir, _read_pid(pid_file)) from None
+  try:
+    pid_file.write_text(f"{os.getpid()}\n")
+    yield
+  finally:
+    pid_file.unlink(missing_ok=True)
+    lock.release()
+
+
+def _read_pid(path: Path) -> int | None:
+  try:
+    return int(path.read_text().strip())
+  except (OSError, ValueError):
+    return None
 
 
 def describe_params(params) -> list[str]:

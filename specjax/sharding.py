@@ -276,9 +276,25 @@ def num_params(params) -> int:
   return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
 
 
+class DistributedSetupError(ValueError):
+  """jax.distributed.initialize refused or failed; carries the `coordinator`, `num_processes`
+  and `process_id` it was given (None: left to JAX's cluster detection) and JAX's `reason`."""
+
+  def __init__(self, coordinator, num_processes, process_id, reason: str):
+    self.coordinator, self.num_processes, self.process_id = coordinator, num_processes, process_id
+    self.reason = reason
+    values = (("coordinator", coordinator), ("num_processes", num_processes),
+              ("process_id", process_id))
+    given = ", ".join(f"{k} {'(not set)' if v is None else v}" for k, v in values)
+    unset = any(v is None for _, v in values)
+    detect = "; no cluster environment (a TPU pod, SLURM) supplied what is not set" if unset else ""
+    super().__init__(f"the multi-process set-up failed: {reason} (given: {given}{detect})")
+
+
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> None:
-  """jax.distributed.initialize before any computation; on TPU pods all arguments may be None."""
+  """jax.distributed.initialize before any computation; on TPU pods all arguments may be None.
+  Raises DistributedSetupError when JAX refuses the arguments or cannot connect."""
   if jax.distributed.is_initialized():
     return
   try:   # CPU processes (tests, dev boxes) need a collectives backend; harmless on TPU/GPU
@@ -287,4 +303,8 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     pass
   kwargs = {k: v for k, v in dict(coordinator_address=coordinator, num_processes=num_processes,
                                   process_id=process_id).items() if v is not None}
-  jax.distributed.initialize(**kwargs)
+  try:
+    jax.distributed.initialize(**kwargs)
+  except (ValueError, RuntimeError) as err:       # RuntimeError: XlaRuntimeError (connection)
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    raise DistributedSetupError(coordinator, num_processes, process_id, reason) from err

@@ -286,3 +286,14 @@ def test_a_workdir_without_a_verifier_is_refused_with_its_path(tmp_path):
     vlib.load(tmp_path / "nothing")
   assert info.value.path == tmp_path / "nothing" / "verifier.json"
   assert isinstance(info.value, FileNotFoundError)
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("{not json", "not JSON"), ("[1]", "no 'verifier' object"),
+    ('{"verifier": {"hidden_size": 8, "width": 3}}', "bad 'verifier' entry"),
+    ('{"verifier": {"hidden_size": 0}}', "bad 'verifier' entry")])
+def test_a_damaged_verifier_file_is_named(tmp_path, text, reason):
+  (tmp_path / "verifier.json").write_text(text)
+  with pytest.raises(vlib.VerifierFileError, match=reason) as info:
+    vlib.load(tmp_path)
+  assert str(info.value).startswith(f"the verifier file {tmp_path / 'verifier.json'} is damaged")

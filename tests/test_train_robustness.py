@@ -224,3 +224,49 @@ def test_divergence_at_the_cli_names_the_flags_that_mend_it(tmp_path):
          "(now 0); the same command then resumes from it" in str(resumable)
   fresh = fit.diverged_advice(trainer.TrainingDivergedError(1, "params", tmp_path, None), cfg)
   assert "no checkpoint was saved" in str(fresh) and str(fresh).endswith("starts again")
+
+
+def test_pretraining_divergence_names_the_pretrain_flags(tmp_path):
+  """train.pretrain reads pretrain.learning_rate where the config sets it: the advice names it."""
+  config = {"pretrain": {"model": "target", "learning_rate": 0.5}, "train": {}}
+  cfg = trainer.TrainConfig(learning_rate=0.5, warmup_steps=0)
+  err = trainer.TrainingDivergedError(7, "loss", tmp_path, 6)
+  text = str(fit.diverged_advice(err, cfg, config, pretrain=True))
+  assert "Lower --config.pretrain.learning_rate (now 0.5) or raise " \
+         "--config.train.warmup_steps (now 0)" in text
+  assert "--config.train.learning_rate" in str(fit.diverged_advice(err, cfg, config))
+
+
+def test_a_nan_learning_rate_is_refused_by_the_trainer_config():
+  with pytest.raises(ValueError, match="learning_rate must be a finite number, got nan"):
+    trainer.TrainConfig(learning_rate=float("nan"))
+
+
+def test_the_workdir_lock_names_its_holder_and_goes_with_it(tmp_path):
+  with checkpoint.lock_workdir(tmp_path):
+    assert (tmp_path / ".specjax.lock.pid").read_text().strip() == str(os.getpid())
+    with pytest.raises(checkpoint.WorkdirBusyError, match=f"process {os.getpid()} holds") as err:
+      with checkpoint.lock_workdir(tmp_path):
+        pass
+    assert err.value.pid == os.getpid() and err.value.workdir == tmp_path
+  assert not (tmp_path / ".specjax.lock.pid").exists()
+  with checkpoint.lock_workdir(tmp_path):                  # free again
+    pass
+
+
+def test_run_records_refuse_another_job_or_field_and_allow_more_steps(tmp_path):
+  (tmp_path / "params").mkdir()                            # training state
+  config = {"pretrain": {"model": "draft"}, "draft": {"d_model": 32}, "data": {"seed": 0},
+            "train": {"steps": 1}}
+  training.check_run_record(tmp_path, training.run_record(config, pretrain=True))
+  assert json.loads((tmp_path / "run.json").read_text())["job"] == "train.pretrain"
+  more = dict(config, train={"steps": 5})
+  training.check_run_record(tmp_path, training.run_record(more, pretrain=True))
+  with pytest.raises(ConfigError, match="holds a train.pretrain run, and this is train.distill"):
+    training.check_run_record(tmp_path, training.run_record(config, pretrain=False))
+  other = dict(config, data={"seed": 1})
+  with pytest.raises(ConfigError, match="--config.data.seed: 0 there, 1 now"):
+    training.check_run_record(tmp_path, training.run_record(other, pretrain=True))
+  (tmp_path / "params").rmdir()                            # nothing trained: a fresh start
+  training.check_run_record(tmp_path, training.run_record(other, pretrain=False))
+  assert json.loads((tmp_path / "run.json").read_text())["job"] == "train.distill"

@@ -3,8 +3,10 @@
     python -m train.distill --config distill_tiny.py --workdir runs/distill_tiny \
         [--config.distill.recipe=gkd] [--config.train.steps=200]
 
-Resumes from WORKDIR's latest checkpoint; metrics go to the console and WORKDIR/metrics.jsonl.
-Ctrl-C saves a checkpoint of the current step and exits with status 130 (rerun to resume).
+Resumes from WORKDIR's latest checkpoint (a workdir serves one job with one set of models, data
+and loss, recorded in WORKDIR/run.json, and one run at a time); metrics go to the console and
+WORKDIR/metrics.jsonl. Ctrl-C saves a checkpoint of the current step and exits with status 130
+(rerun to resume).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ def main(argv: list[str] | None = None, pretrain: bool = False, doc: str = __doc
 
   def go():
     cli.setup()
+    cfg = config.load_config(args.config, overrides)
     try:
-      training.run(config.load_config(args.config, overrides), args.workdir, pretrain=pretrain)
+      training.run(cfg, args.workdir, pretrain=pretrain,
+                   inputs=config.input_paths(args.config, cfg))
     except trainer.TrainingInterrupted as stopped:    # Ctrl-C: a checkpoint was saved
       print(f"{prog}: {stopped}", file=sys.stderr)
       return INTERRUPTED

@@ -14,11 +14,12 @@ from typing import Callable
 
 import jax
 
-from specjax import sharding
+from specjax import checkpoint, sharding
 from specjax.app.config import ConfigError
 from specjax.data.cache import cache_dir
+from specjax.data.tokenizer import NoChatTemplateError
 from specjax.models import hf_import, kv_cache
-from specjax.sprinter.verifier import VerifierNotFoundError
+from specjax.sprinter.verifier import VerifierFileError, VerifierNotFoundError
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, KeyError, NotADirectoryError,
                IsADirectoryError, PermissionError, UnicodeDecodeError)
@@ -73,8 +74,19 @@ def advice(err: Exception) -> str:
             f"one of {choices} (and --config.mesh.data=-1 to use the other devices for rows)")
   if isinstance(err, sharding.MeshError):
     return f"{err} (set --config.mesh.data and --config.mesh.model)"
-  if isinstance(err, VerifierNotFoundError):
+  if isinstance(err, sharding.DistributedSetupError):
+    return (f"{err}: on every process set --config.distributed.coordinator=HOST:PORT (process "
+            f"0's address), --config.distributed.num_processes=N and "
+            f"--config.distributed.process_id=I (0..N-1), or --config.distributed.enabled=false "
+            f"for one process")
+  if isinstance(err, (VerifierNotFoundError, VerifierFileError)):
     return f"{err} (train one with python -m train.verifier, then --config.rule.verifier=WORKDIR)"
+  if isinstance(err, NoChatTemplateError):
+    return (f"the tokenizer {err.path} has no chat template: drop --config.decode.chat=true (the "
+            f"prompts are then plain text), or use a checkpoint whose tokenizer has one (an "
+            f"instruct model)")
+  if isinstance(err, checkpoint.WorkdirBusyError):
+    return f"{err}: wait for it to finish (or stop it), or choose another --workdir"
   if isinstance(err, hf_import.CheckpointNotFoundError):
     return str(err)
   if isinstance(err, KeyError):

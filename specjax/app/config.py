@@ -12,6 +12,7 @@ import ast
 import importlib
 import importlib.resources
 import importlib.util
+import traceback
 from pathlib import Path
 
 import ml_collections
@@ -32,32 +33,100 @@ def shipped() -> list[str]:
                 if f.name.endswith(".py") and f.name.removesuffix(".py") not in NOT_CONFIGS)
 
 
-def _module(name: str):
-  """The config module: a file path, else a module of specjax.configs."""
-  path = Path(name).expanduser()
+def config_file(name: str) -> Path | None:
+  """The file a --config names (`NAME.py:ARG` included): a path, else a shipped config's file;
+  None when it is neither."""
+  path = Path(name.partition(":")[0]).expanduser()
   for candidate in (path, path.with_name(path.name + ".py")):
     if candidate.is_file():
-      spec = importlib.util.spec_from_file_location(f"specjax_config_{candidate.stem}", candidate)
-      module = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(module)
-      return module
+      return candidate
   stem = path.name.removesuffix(".py")
   if path.parent == Path(".") and f"{stem}.py" in shipped():
-    return importlib.import_module(f"{PACKAGE}.{stem}")
-  raise ConfigError(f"config '{name}' is neither a file nor a shipped config. Shipped configs: "
-                    f"{', '.join(shipped())}.")
+    return Path(str(importlib.resources.files(PACKAGE) / f"{stem}.py"))
+  return None
+
+
+def _module(name: str):
+  """The config module: a file path, else a module of specjax.configs. An error in the file's
+  code is a ConfigError naming the file and the line."""
+  file = config_file(name)
+  if file is None:
+    raise ConfigError(f"config '{name}' is neither a file nor a shipped config. Shipped configs: "
+                      f"{', '.join(shipped())}.")
+  try:
+    if file.parent == Path(str(importlib.resources.files(PACKAGE))):
+      return importlib.import_module(f"{PACKAGE}.{file.stem}")
+    spec = importlib.util.spec_from_file_location(f"specjax_config_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+  except ConfigError:
+    raise
+  except Exception as err:        # whatever the file's code raises, SyntaxError included
+    raise code_error(err, file, "fix the config file") from None
+
+
+def code_error(err: BaseException, file: Path, fix: str) -> ConfigError:
+  """An exception raised by a config file's code -> one line: the file, the line of the file
+  that raised it (a syntax error's own line), the error and `fix`."""
+  if isinstance(err, SyntaxError):
+    line, text, what = err.lineno, (err.text or "").strip(), f"SyntaxError: {err.msg}"
+  else:
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if _same(f.filename, file)]
+    line, text = (frames[-1].lineno, frames[-1].line) if frames else (None, "")
+    what = f"{type(err).__name__}: {err}"
+  where = f"{file}, line {line}" + (f" ({text})" if text else "") if line else str(file)
+  return ConfigError(f"config {where}: {what}: {fix}")
+
+
+def _same(a: str, b: Path) -> bool:
+  try:
+    return Path(a).resolve() == b.resolve()
+  except OSError:
+    return False
 
 
 def load_config(name: str, overrides=()) -> ml_collections.ConfigDict:
+  """The ConfigDict of `get_config()` (`get_config(ARG)` for `NAME.py:ARG`), then the
+  overrides; a config that fails or returns something else is a ConfigError naming the file."""
   file_part, _, arg = name.partition(":")
   module = _module(file_part)
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config '{file_part}' defines no get_config()")
-  config = module.get_config(arg) if arg else module.get_config()
+  file = config_file(file_part)
+  try:
+    config = module.get_config(arg) if arg else module.get_config()
+  except ConfigError:
+    raise
+  except Exception as err:
+    raise code_error(err, file, "fix the config's get_config()") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"config {file}: get_config() returned {type(config).__name__}, not an "
+                      f"ml_collections.ConfigDict: return ml_collections.ConfigDict(...)")
   config.unlock()
   for item in overrides:
     apply_override(config, item)
   return config
+
+
+# The fields, in any section, that name files or directories a run reads.
+INPUT_FIELDS = ("checkpoint", "init_from", "tokenizer", "verifier")
+
+
+def input_paths(name: str, config) -> dict[str, str]:
+  """The files and directories a run reads, by the flag that names them: the --config file
+  `name` and every existing local path among the sections' checkpoint, init_from, tokenizer and
+  verifier fields (what outputs.check_not_input compares an output with)."""
+  file = config_file(name) if name else None
+  out = {"--config": str(file)} if file else {}
+  sections = [(k, v) for k, v in config.items() if hasattr(v, "get")] \
+      if hasattr(config, "items") else []
+  for section, values in sections:
+    for field in INPUT_FIELDS:
+      value = values.get(field)
+      if isinstance(value, str) and value and Path(value).expanduser().exists():
+        out[f"--config.{section}.{field}"] = str(Path(value).expanduser())
+  return out
 
 
 def apply_override(config: ml_collections.ConfigDict, item: str) -> None:

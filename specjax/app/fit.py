@@ -33,7 +33,7 @@ def fit(config, workdir: str, student, teacher=None, *, pretrain: bool = False, 
   try:
     return _fit(config, cfg, workdir, student, teacher, display, source)
   except trainer_lib.TrainingDivergedError as err:
-    raise diverged_advice(err, cfg) from err
+    raise diverged_advice(err, cfg, config, pretrain) from err
   finally:
     if own:
       display.close()
@@ -48,12 +48,20 @@ def check_workdir(workdir) -> Path:
   return outputs.check_workdir(workdir, "--workdir")
 
 
-def diverged_advice(err: trainer_lib.TrainingDivergedError, cfg) -> ConfigError:
+def train_flag(config, pretrain: bool, field: str) -> str:
+  """The flag that sets a training field for this job: pretraining reads the `pretrain`
+  section's value where it has one (pretrain.learning_rate), else the `train` section's."""
+  section = "pretrain" if pretrain and field in builders.section(config, "pretrain") else "train"
+  return f"--config.{section}.{field}"
+
+
+def diverged_advice(err: trainer_lib.TrainingDivergedError, cfg, config=None,
+                    pretrain: bool = False) -> ConfigError:
   """The divergence with the flags that mend it (a ConfigError: exit status 2 at the CLI)."""
   then = "resumes from it" if err.last_good is not None else "starts again"
-  return ConfigError(f"{err}. Lower --config.train.learning_rate (now {cfg.learning_rate:g}) or "
-                     f"raise --config.train.warmup_steps (now {cfg.warmup_steps}); the same "
-                     f"command then {then}")
+  lr, warmup = (train_flag(config or {}, pretrain, f) for f in ("learning_rate", "warmup_steps"))
+  return ConfigError(f"{err}. Lower {lr} (now {cfg.learning_rate:g}) or raise {warmup} (now "
+                     f"{cfg.warmup_steps}); the same command then {then}")
 
 
 def _fit(config, cfg, workdir: Path, student, teacher, display, source):

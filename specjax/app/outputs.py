@@ -1,18 +1,28 @@
 """Files the tools write. Output paths are checked before any work starts, so a long run never
-ends in a write error; results are written atomically (a temporary file beside the target, then a
-rename), so a killed run leaves the old file or the new one, never half of one; JSON is strict
-(a non-finite float is written as null, which every JSON reader accepts)."""
+ends in a write error, and an output that would overwrite one of the run's inputs is refused;
+results are written atomically (a temporary file beside the target, then a rename), so a killed
+run leaves the old file or the new one, never half of one; JSON is strict (a non-finite float is
+written as null, which every JSON reader accepts). A path that exists and is not a regular file
+(/dev/null, a FIFO, /dev/stdout) is written in place, never replaced."""
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import math
 import os
 import pathlib
-from typing import Any, Iterator
+import stat
+import tempfile
+from typing import Any, Iterator, Mapping
 
 import numpy as np
+
+# The files of a checkpoint directory that an output must not overwrite.
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors",
+                    "*.safetensors.index.json", "*.gguf", "*.bin", "*.model", "tokenizer*",
+                    "vocab.*", "merges.txt", "special_tokens_map.json", "verifier.json")
 
 
 class OutputPathError(ValueError):
@@ -20,10 +30,15 @@ class OutputPathError(ValueError):
 
 
 def check_output_file(path: str | os.PathLike, flag: str) -> pathlib.Path:
-  """The absolute path of a file the run will write, refused now if it cannot be written."""
+  """The absolute path of a file the run will write, refused now if it cannot be written. A
+  device, FIFO or /dev/stdout needs only to be writable itself (it is written in place)."""
   out = pathlib.Path(path).expanduser().absolute()
   if out.is_dir():
     raise OutputPathError(f"{flag} {out} is a directory: give a file name")
+  if writes_in_place(out):
+    if not os.access(out, os.W_OK):
+      raise OutputPathError(f"{flag} {out} is not writable: choose another path")
+    return out
   if not out.parent.is_dir():
     raise OutputPathError(f"{flag} {out}: the directory {out.parent} does not exist; "
                           f"create it or choose another path")
@@ -34,7 +49,10 @@ def check_output_file(path: str | os.PathLike, flag: str) -> pathlib.Path:
 
 def check_workdir(path: str | os.PathLike, flag: str) -> pathlib.Path:
   """The absolute path of a directory the run will write into (created if missing), refused now
-  if it cannot be created or written."""
+  if it is empty (it would mean the current directory), or cannot be created or written."""
+  if not str(path).strip():
+    raise OutputPathError(f"{flag} is empty: give the directory to write into (e.g. runs/NAME; "
+                          f"'.' for the current directory)")
   out = pathlib.Path(path).expanduser().absolute()
   if out.exists() and not out.is_dir():
     raise OutputPathError(f"{flag} {out} is a file, not a directory: choose another path")
@@ -46,6 +64,56 @@ def check_workdir(path: str | os.PathLike, flag: str) -> pathlib.Path:
   if not os.access(out, os.W_OK | os.X_OK):
     raise OutputPathError(f"{flag} {out} is not writable: choose another path")
   return out
+
+
+def check_not_input(output: str | os.PathLike | None, inputs: Mapping[str, Any],
+                    flag: str) -> None:
+  """Refuse an output (a file or a workdir) that is one of the run's inputs: `inputs` maps the
+  flag that names each input to its path (None, '' and paths that do not exist are skipped; a
+  directory stands for itself and the checkpoint files in it, CHECKPOINT_FILES). Paths are
+  compared as files (os.path.samefile), so a symlink, a hard link or another spelling of the
+  same path is caught. A new file or a device (written in place) destroys nothing."""
+  if not output or not os.path.exists(output) or writes_in_place(output):
+    return
+  for name, path in inputs.items():
+    if path and os.path.exists(path) and _overwrites(pathlib.Path(output), pathlib.Path(path)):
+      raise OutputPathError(f"{flag} {output} would overwrite {name} {path}, an input of this "
+                            f"run: choose another path")
+
+
+def _overwrites(output: pathlib.Path, source: pathlib.Path) -> bool:
+  """Whether writing `output` replaces `source` or a checkpoint file of directory `source`."""
+  if os.path.samefile(output, source):
+    return True
+  return (source.is_dir() and output.is_file() and os.path.samefile(output.parent, source)
+          and any(fnmatch.fnmatch(output.name, p) for p in CHECKPOINT_FILES))
+
+
+def writes_in_place(path: str | os.PathLike) -> bool:
+  """True for an existing file that a rename must not replace: anything but a regular file or a
+  directory (a character device such as /dev/null, a FIFO, a socket), or a path that leads
+  through /proc (/dev/stdout, /dev/fd/N: the file behind a process's descriptor)."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return False
+  if stat.S_ISDIR(mode):
+    return False
+  return not stat.S_ISREG(mode) or _through_proc(path)
+
+
+def _through_proc(path: str | os.PathLike) -> bool:
+  """Whether resolving `path` link by link passes through /proc (realpath would resolve the
+  descriptor's magic link to the file behind it and hide that)."""
+  p = os.path.abspath(path)
+  for _ in range(40):                                   # the kernel's own symlink limit
+    p = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+    if p.startswith("/proc/"):
+      return True
+    if not os.path.islink(p):
+      return False
+    p = os.path.join(os.path.dirname(p), os.readlink(p))
+  return False
 
 
 def strict(obj: Any) -> Any:
@@ -65,17 +133,41 @@ def strict(obj: Any) -> Any:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[pathlib.Path]:
-  """A temporary path to write to; renamed onto `path` when the block ends without error."""
+  """A temporary path to write to. When the block ends without error it is renamed onto `path`
+  (onto the file a symlink names, so the link stays), or, where `path` must not be replaced
+  (`writes_in_place`), its bytes are written into `path` (OutputPathError naming it if that
+  fails)."""
   out = pathlib.Path(path)
-  tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp{out.suffix}")
+  in_place = writes_in_place(out)
+  if in_place:
+    fd, name = tempfile.mkstemp(prefix="specjax-", suffix=out.suffix)
+    os.close(fd)
+    tmp = pathlib.Path(name)
+  else:
+    out = pathlib.Path(os.path.realpath(out))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp{out.suffix}")
   try:
     yield tmp
-    os.replace(tmp, out)
+    if in_place:
+      _write_into(out, tmp.read_bytes())
+    else:
+      os.replace(tmp, out)
   finally:
     tmp.unlink(missing_ok=True)
 
 
+def _write_into(path: pathlib.Path, data: bytes) -> None:
+  """`data` written into `path` as it stands (appended: a terminal or a file behind /dev/stdout
+  keeps what was printed before); a failure (ENOSPC on /dev/full) names the path."""
+  try:
+    with open(path, "ab") as f:
+      f.write(data)
+  except OSError as err:
+    raise OutputPathError(f"{path} could not be written ({err.strerror or err})") from None
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
+  """`text` written to `path` atomically (in place for a device, FIFO or /dev/stdout)."""
   with atomic_path(path) as tmp:
     tmp.write_text(text)
 

@@ -1,32 +1,63 @@
 """`train.pretrain` / `train.distill` from a config: models from their sections (checkpoints
 resolved, or built from fields), multi-host set-up, then `fit`. The progress display starts
-first, so that model building, data preparation and compilation show with their times."""
+first, so that model building, data preparation and compilation show with their times.
+
+Before any work: the learning rate (finite, >= 0), the workdir (not empty, writable, not one of
+the run's inputs), then, for the whole run, the workdir's lock (a second run in the same workdir
+is refused with the holder's pid) and its run record (WORKDIR/run.json: the job and the config
+fields that define the run; a workdir with training state refuses another job or other values)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
+import math
 import time
+from pathlib import Path
 
 import jax
 
+from specjax import checkpoint as ckpt_lib
 from specjax import sharding
-from specjax.app import builders, resolve
-from specjax.app.fit import ProgressDisplay, check_workdir, fit, open_source
+from specjax.app import builders, outputs, resolve
+from specjax.app.config import ConfigError
+from specjax.app.fit import ProgressDisplay, check_workdir, fit, open_source, train_flag
 from specjax.distill import trainer as trainer_lib
 
 log = logging.getLogger(__name__)
 
+RUN_FILE = "run.json"
+SHOWN_DIFFERENCES = 5
 
-def run(config, workdir: str, pretrain: bool = False):
-  """Train into `workdir` (relative to the current directory), checked before any work."""
+
+def run(config, workdir: str, pretrain: bool = False, inputs: dict | None = None):
+  """Train into `workdir` (relative to the current directory), checked before any work.
+  inputs: the run's input paths by flag (config.input_paths), none of which the workdir may be.
+  Returns the final TrainState."""
+  check_learning_rate(config, pretrain)
+  builders.train_config(config, pretrain)        # every train.* value checked before the workdir
   workdir = check_workdir(workdir)
+  outputs.check_not_input(workdir, inputs or {}, "--workdir")
   dist = builders.section(config, "distributed")
   if dist.get("enabled"):
     pid = dist.get("process_id", -1)
     sharding.initialize_distributed(dist.get("coordinator") or None,
                                     dist.get("num_processes") or None,
                                     pid if pid is not None and pid >= 0 else None)
+  with _lock(workdir):
+    check_run_record(workdir, run_record(config, pretrain))
+    return _train(config, workdir, pretrain)
+
+
+def _lock(workdir: Path):
+  """The workdir's lock, taken by process 0 (the processes of one multi-host run share it)."""
+  return ckpt_lib.lock_workdir(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+
+
+def _train(config, workdir: Path, pretrain: bool):
+  """Models and data, then `fit`, under a progress display."""
   cfg = builders.train_config(config, pretrain)
   display = ProgressDisplay(cfg.steps) if cfg.progress and jax.process_index() == 0 else None
   log.info("workdir %s", workdir)
@@ -42,6 +73,96 @@ def run(config, workdir: str, pretrain: bool = False):
   finally:
     if display is not None:
       display.close()
+
+
+def check_learning_rate(config, pretrain: bool) -> None:
+  """Refuse a NaN, infinite or negative learning rate, naming the flag this job reads."""
+  flag = train_flag(config, pretrain, "learning_rate")
+  value = builders.section(config, flag.split(".")[1]).get("learning_rate")
+  try:
+    bad = value is not None and not (math.isfinite(float(value)) and float(value) >= 0)
+  except (TypeError, ValueError):
+    return                                   # not a number: the typed conversion says so
+  if bad:
+    raise ConfigError(f"{flag}={value} is not a learning rate: give a finite number >= 0 "
+                      f"(e.g. 3e-4)")
+
+
+def run_record(config, pretrain: bool) -> dict:
+  """The job and the config fields that define its run: the trained model's section (both
+  models' when distilling), the data section and the loss (the distill section; pretraining's
+  loss is NLL). Values as JSON has them. train.* (steps included) may change between runs."""
+  if pretrain:
+    role = builders.section(config, "pretrain").get("model", "target")
+    sections, fields = (role, "data"), {"pretrain.model": role}
+  else:
+    sections, fields = ("target", "draft", "data", "distill"), {}
+  for name in sections:
+    fields.update({f"{name}.{k}": v for k, v in builders.section(config, name).items()})
+  record = {"job": "train.pretrain" if pretrain else "train.distill", "fields": fields}
+  return json.loads(json.dumps(outputs.strict(record), default=str))
+
+
+def check_run_record(workdir: Path, record: dict) -> None:
+  """Refuse a workdir that holds training state of another job or of other defining fields;
+  then (process 0) record this run in WORKDIR/run.json."""
+  path = workdir / RUN_FILE
+  saved = _read_record(path)
+  if saved is not None and has_training_state(workdir):
+    problem = record_mismatch(saved, record)
+    if problem:
+      raise ConfigError(f"--workdir {workdir} {problem}. Nothing was written")
+  elif has_training_state(workdir):
+    log.warning("%s has training state but no %s (an older specjax): resuming, and recording "
+                "this run's settings", workdir, RUN_FILE)
+  if saved != record and jax.process_index() == 0:
+    ckpt_lib.write_json(path, record)
+
+
+def record_mismatch(saved: dict, record: dict) -> str:
+  """'' when `record` may resume the run `saved` describes, else why not and the fix."""
+  if saved.get("job") != record["job"]:
+    return (f"holds a {saved.get('job')} run, and this is {record['job']}: give each job its own "
+            f"--workdir (a pretrained model goes into distillation as "
+            f"--config.ROLE.init_from=ITS_WORKDIR)")
+  old, new = saved.get("fields", {}), record["fields"]
+  # Values changed first, then fields only one side has (a section of another model).
+  differ = sorted((k for k in set(old) | set(new) if old.get(k) != new.get(k)),
+                  key=lambda k: (not (k in old and k in new), k))
+  if not differ:
+    return ""
+  shown = "; ".join(f"--config.{k}: {_value(old, k)} there, {_value(new, k)} now"
+                    for k in differ[:SHOWN_DIFFERENCES])
+  more = f" (and {len(differ) - SHOWN_DIFFERENCES} more)" if len(differ) > SHOWN_DIFFERENCES else ""
+  return (f"holds a {record['job']} run with other settings ({shown}{more}): rerun with the "
+          f"workdir's values to resume it (train.* settings such as train.steps may change), or "
+          f"choose another --workdir")
+
+
+def _value(fields: dict, key: str) -> str:
+  return json.dumps(fields[key]) if key in fields else "(absent)"
+
+
+def _read_record(path: Path) -> dict | None:
+  """WORKDIR/run.json, None when absent; a damaged one is refused, naming it."""
+  if not path.exists():
+    return None
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, ValueError) as err:
+    raise ConfigError(f"{path} is not a run record ({err}): delete it to adopt the workdir as "
+                      f"it is, or choose another --workdir") from None
+  if not isinstance(saved, dict):
+    raise ConfigError(f"{path} is not a run record (a JSON object): delete it to adopt the "
+                      f"workdir as it is, or choose another --workdir")
+  return saved
+
+
+def has_training_state(workdir: Path) -> bool:
+  """Whether a run has saved anything here: exported params or a numbered checkpoint."""
+  steps = workdir / "checkpoints"
+  return (workdir / "params").exists() or (
+      steps.is_dir() and any(p.name.isdigit() for p in steps.iterdir()))
 
 
 def open_data(config, batch_size: int):
@@ -63,4 +184,3 @@ def build(config, role: str, seed: int):
   count = trainer_lib.count_text(sharding.num_params(params))
   log.info("%s ready: %s params in %.1fs", role, count, time.perf_counter() - started)
   return model, params
-

@@ -43,6 +43,17 @@ TRAINER_VERSION = 1
 _SPEC = re.compile(r"^stdlib:(unigram|bpe):(\d+)(?::(\d+))?$")
 
 
+class NoChatTemplateError(ValueError):
+  """A chat prompt asked of a tokenizer without a chat template; carries its `path`."""
+
+  def __init__(self, path: str):
+    self.path = path
+    super().__init__(f"the tokenizer {path} has no chat template (a Hugging Face checkpoint "
+                     f"keeps one in tokenizer_config.json or chat_template.jinja; a SentencePiece "
+                     f"model never has one): pass the prompts as plain text, or use a checkpoint "
+                     f"whose tokenizer has a chat template (an instruct model)")
+
+
 def _ints(ids) -> list[int]:
   return [int(i) for i in getattr(ids, "tolist", lambda: ids)()]
 
@@ -94,6 +105,10 @@ class Tokenizer:
 
   def piece_to_id(self, piece: str) -> int:
     return self.sp.piece_to_id(piece)
+
+  def apply_chat_template(self, user_text: str) -> str:
+    """Never returns: a SentencePiece model has no chat template (NoChatTemplateError)."""
+    raise NoChatTemplateError(self.path)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -174,9 +189,7 @@ class HFTokenizer:
     """One user turn in the checkpoint's chat format, ending where the assistant's reply starts:
     the text to `encode` (its special tokens are in the text, so none are added again)."""
     if not getattr(self.tok, "chat_template", None):
-      raise ValueError(f"the tokenizer in {self.path} has no chat template (chat_template in "
-                       "tokenizer_config.json or chat_template.jinja): use an instruct "
-                       "checkpoint or pass the prompt as plain text")
+      raise NoChatTemplateError(self.path)
     return self.tok.apply_chat_template([{"role": "user", "content": user_text}],
                                         add_generation_prompt=True, tokenize=False)
 

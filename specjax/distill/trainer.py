@@ -95,6 +95,8 @@ class TrainConfig:
     for name in ("warmup_steps", "eval_every", "learning_rate"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    if not math.isfinite(self.learning_rate):
+      raise ValueError(f"learning_rate must be a finite number, got {self.learning_rate}")
     for name in ("checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -40,6 +40,14 @@ class VerifierNotFoundError(FileNotFoundError):
     super().__init__(f"no verifier in {self.workdir}: {self.path} not found")
 
 
+class VerifierFileError(ValueError):
+  """A workdir's verifier.json that cannot be read as a verifier; carries its `path`."""
+
+  def __init__(self, path, reason: str):
+    self.path, self.reason = Path(path), reason
+    super().__init__(f"the verifier file {self.path} is damaged ({reason})")
+
+
 class _Head(nn.Module):
   """Linear(d -> 1) (d+1 parameters, the paper's size) or a one-hidden-layer MLP."""
   mlp_width: int
@@ -106,10 +114,24 @@ def load(workdir) -> tuple[Verifier, Any, dict]:
   path = Path(workdir) / "verifier.json"
   if not path.exists():
     raise VerifierNotFoundError(workdir, path)
-  meta = json.loads(path.read_text())
-  verifier = Verifier(**meta.pop("verifier"))
+  meta, verifier = read_meta(path)
   like = verifier.init_params(jax.random.PRNGKey(0))
   return verifier, ckpt_lib.load_params(workdir, like), meta
+
+
+def read_meta(path: Path) -> tuple[dict, Verifier]:
+  """(meta without its 'verifier' entry, Verifier) of a verifier.json; VerifierFileError naming
+  the file if it is not JSON, not an object, or holds no valid verifier description."""
+  try:
+    meta = json.loads(path.read_text(encoding="utf-8"))
+  except (ValueError, UnicodeDecodeError) as err:      # JSONDecodeError is a ValueError
+    raise VerifierFileError(path, f"not JSON: {err}") from None
+  if not isinstance(meta, dict) or not isinstance(meta.get("verifier"), dict):
+    raise VerifierFileError(path, "no 'verifier' object in it")
+  try:
+    return meta, Verifier(**meta.pop("verifier"))
+  except (TypeError, ValueError) as err:
+    raise VerifierFileError(path, f"bad 'verifier' entry: {err}") from None
 
 
 def decode_settings(meta: dict, threshold: float = -1.0, gamma_max: int = -1) -> tuple[float, int]:

@@ -27,6 +27,8 @@ import json
 import resource
 import sys
 
+from specjax.app.timing import union_seconds
+
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
           "/jax/core/compile/backend_compile_duration": "compile_s"}
@@ -79,16 +81,6 @@ class Programs:
     programs = {name: {k: round(v, 4) for k, v in d.items()}
                 for name, d in self.per_program.items()}
     return {"totals": totals, "programs": programs, **self.counts}
-
-
-def union_seconds(spans: list[tuple[float, float]]) -> float:
-  """Length of the union of [start, end] intervals: [(0, 2), (1, 3), (5, 6)] -> 4."""
-  total, reach = 0.0, float("-inf")
-  for start, end in sorted(spans):
-    if end > reach:
-      total += end - max(start, reach)
-      reach = end
-  return total
 
 
 def parse_args(argv):

@@ -1,6 +1,8 @@
 """`python -m specjax.decode`: generate text with the target alone or with speculative decoding.
 
-    python -m specjax.decode                                   # tiny.py, the embedded default
+    python -m specjax.decode                                   # qwen_coder.py: the real pair
+    python -m specjax.decode --compare                         # + the target alone, the speedup
+    python -m specjax.decode --config tiny.py                  # the embedded pair, offline
     python -m specjax.decode --config t5_xl_small.py --prompt "summarize: ..."
     python -m specjax.decode --config tiny.py --config.rule.name=exact --config.decode.gamma=5 \
         --input_file prompts.txt --output_json out.json
@@ -8,6 +10,9 @@
 Speculative decoding runs when the config names a draft checkpoint and a rule; otherwise the
 target decodes alone (greedy when decode.temperature == 0). A prompt longer than the cache allows
 is refused with the longest that fits; --config.decode.truncate=left keeps its last tokens.
+With one prompt per batch (decode.batch_size 1) the text is printed as it is generated
+(--config.decode.stream=false: at the end). Ctrl-C writes the prompts finished so far to
+--output_json (marked partial) and exits 130; a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specjax.app import cli, config, outputs, runner
+from specjax.app import builders, cli, config, outputs, runner
 
 
 class PromptError(ValueError):
@@ -72,30 +77,57 @@ def save_report(path: Path, report: dict) -> None:
 
 def main(argv=None) -> int:
   p = cli.parser("python -m specjax.decode", __doc__)
-  p.add_argument("--config", default="tiny.py", help="a shipped config name or a config file")
+  p.add_argument("--config", default=DEFAULT_CONFIG,
+                 help="a shipped config name or a config file (default: %(default)s)")
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
   p.add_argument("--input_file", help="a UTF-8 file with one prompt per line (blank lines skipped)")
   p.add_argument("--output_json", help="write texts, token ids, statistics and settings here")
+  p.add_argument("--compare", action="store_true",
+                 help="also decode the prompts with the target alone and print both ms/token "
+                      "and the speedup")
   args, overrides = cli.parse(p, argv)
 
   def go() -> int:
     output = args.output_json and outputs.check_output_file(args.output_json, "--output_json")
+    start = time.perf_counter()
     cli.setup()
     cfg = config.load_config(args.config, overrides)
     prompts = read_prompts(args, cfg)
-    start = time.perf_counter()
-    report = runner.run(cfg, prompts)
-    wall = time.perf_counter() - start
+    streaming = runner.reports() and builders.decode_settings(cfg).stream
+    ready = time.perf_counter() - start
+    report = runner.run(cfg, prompts, show=_show if streaming else None, compare=args.compare)
+    times = report["timing"]
+    before = ready + times["load_s"] + times["compile_s"]
     if not runner.reports():        # multi-host: process 0 prints and writes
       return 0
-    for item in report["results"]:
-      print(f"> {item['prompt']}\n{item['text']}\n")
-    print(runner.summary_line(report["stats"], wall))
+    if not streaming:
+      for item in report["results"]:
+        print(f"> {item['prompt']}\n{item['text']}\n")
+    print(runner.summary_line(report["stats"], times, before))
+    if "compare" in report:
+      print(runner.compare_line(report))
     if output:
       save_report(output, report)
+    if "partial" in report:
+      done = report["partial"]
+      print(f"specjax.decode: interrupted: {done['prompts_done']} of {done['prompts']} prompts "
+            f"finished" + (f", written to {output}" if output else ""), file=sys.stderr)
+      return 130
     return 0
 
-  return cli.run("specjax.decode", go)
+  try:
+    return cli.run("specjax.decode", go)
+  except KeyboardInterrupt:         # the second Ctrl-C (or one before decoding): stop at once
+    print("specjax.decode: interrupted", file=sys.stderr)
+    return 130
+
+
+DEFAULT_CONFIG = "qwen_coder.py"
+
+
+def _show(text: str) -> None:
+  sys.stdout.write(text)
+  sys.stdout.flush()
 
 
 if __name__ == "__main__":

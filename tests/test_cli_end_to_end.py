@@ -115,8 +115,9 @@ def default_run(pair):
 
 def test_decode_prints_stats_and_writes_json(pair, default_run):
   proc, report = default_run
-  match = re.search(r"^stats: (\d+) tokens in [0-9.]+s .*alpha ([0-9.]+), tau ([0-9.]+), "
-                    r"blocks (\d+), target_passes (\d+), draft_passes (\d+)$", proc.stdout, re.M)
+  match = re.search(r"^stats: (\d+) tokens, decode [0-9.]+s .*alpha ([0-9.]+), tau ([0-9.]+), "
+                    r"blocks (\d+), target_passes (\d+), draft_passes (\d+); start-up ",
+                    proc.stdout, re.M)
   assert match, proc.stdout
   (result,) = report["results"]
   assert result["prompt"] == PROMPT

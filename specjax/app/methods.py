@@ -25,7 +25,7 @@ import numpy as np
 
 from specjax import sharding
 from specjax.acceptance import registry, vocab
-from specjax.app import builders, prompt_fit, resolve
+from specjax.app import builders, prompt_fit, resolve, streaming
 from specjax.app.config import ConfigError
 from specjax.decoding import autoregressive, sharded, speculative, string_level
 from specjax.decoding.state import Generation
@@ -121,6 +121,7 @@ class Method:
   settings: builders.DecodeSettings
   mesh: Any = None               # a ('data', 'model') Mesh the params live on; None: one device
   name: ClassVar[str] = ""
+  streams: ClassVar[bool] = False    # generate takes on_chunk (streaming, stop strings)
 
   @property
   def label(self) -> str:
@@ -187,9 +188,9 @@ class Method:
                    draft=None if draft is None else self.encode(draft, texts))
 
   def texts(self, gen: Generation) -> list[tuple[list[int], str]]:
-    """(generated ids, text) per row."""
-    tok = self.target.tokenizer
-    return [([int(t) for t in row[:n]], prompting.decode(tok, row, n))
+    """(generated ids, text) per row, each cut at its EOS and at the first of decode.stop."""
+    tok, stop = self.target.tokenizer, self.settings.stop
+    return [streaming.final_text(tok, row[:n], stop)
             for row, n in zip(np.asarray(gen.tokens), np.asarray(gen.lengths))]
 
   @property
@@ -204,7 +205,9 @@ class Method:
     """Autoregressive decoding with this method's target and settings (the speed baseline)."""
     return Autoregressive(target=self.target, settings=self.settings, mesh=self.mesh)
 
-  def generate(self, prompts: Prompts, key) -> Generation:
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
+    """Decode one batch. on_chunk (methods with `streams`): called with the committed ids after
+    the prefill and after every block (decoding/state.drive); it may end rows."""
     raise NotImplementedError
 
 
@@ -212,6 +215,7 @@ class Method:
 @dataclasses.dataclass(frozen=True)
 class Autoregressive(Method):
   name: ClassVar[str] = "autoregressive"
+  streams: ClassVar[bool] = True
 
   @classmethod
   def from_config(cls, config, target_role="target", draft_role="draft"):
@@ -220,12 +224,18 @@ class Autoregressive(Method):
     return cls(target=load_placed(config, target_role, mesh, target=True),
                settings=builders.decode_settings(config), mesh=mesh)
 
-  def generate(self, prompts: Prompts, key) -> Generation:
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
     s = self.settings
     return autoregressive.generate(
         self.target.model, self.target.params, prompts.target, key,
         max_new_tokens=s.max_new_tokens, warp=s.warp, eos_id=self.eos_id, max_len=self.max_len,
-        mesh=self.mesh)
+        mesh=self.mesh, on_chunk=on_chunk)
+
+
+def _no_streaming(method: Method, on_chunk) -> None:
+  if on_chunk is not None:
+    raise ValueError(f"method {method.name} has a loop of its own: it does not stream (its text "
+                     f"and stop strings are applied when it ends)")
 
 
 def _positions(model) -> int | None:
@@ -246,6 +256,7 @@ class Speculative(Method):
   draft: resolve.LoadedModel = None
   rule: object = None
   name: ClassVar[str] = "speculative"
+  streams: ClassVar[bool] = True
 
   @property
   def label(self) -> str:
@@ -278,13 +289,13 @@ class Speculative(Method):
     per_token = self.rule.draft_image_width if loaded is self.draft else 1
     return per_token, self.settings.gamma, f"gamma {self.settings.gamma}"
 
-  def generate(self, prompts: Prompts, key) -> Generation:
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
     s = self.settings
     return speculative.generate(
         self.target.model, self.target.params, self.draft.model, self.draft.params,
         prompts.target, key, rule=self.rule, gamma=s.gamma, max_new_tokens=s.max_new_tokens,
         warp=s.warp, eos_id=self.eos_id, draft_prompt=prompts.draft, max_len=self.max_len,
-        mesh=self.mesh)
+        mesh=self.mesh, on_chunk=on_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +355,8 @@ class Sprinter(Method):
     chunk = min(self.gamma_max, self.settings.max_new_tokens - 1) + 1
     return 1, chunk, f"a target chunk of gamma_max + 1 = {chunk}"
 
-  def generate(self, prompts: Prompts, key) -> Generation:
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
+    _no_streaming(self, on_chunk)
     s = self.settings
     return sprinter_loop.generate(
         self.target.model, self.target.params, self.draft.model, self.draft.params,
@@ -388,7 +400,8 @@ class StringLevel(Method):
     position table allows)."""
     return 1, self.settings.gamma + 1, f"gamma {self.settings.gamma} + 1"
 
-  def generate(self, prompts: Prompts, key) -> Generation:
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
+    _no_streaming(self, on_chunk)
     s = self.settings
     rows = lambda p: [[int(t) for t in r[:n]] for r, n in zip(np.asarray(p.tokens),
                                                                np.asarray(p.lengths))]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
 import jax
 import numpy as np
 
-from specjax.app import builders, methods, resolve
+from specjax.app import builders, methods, resolve, streaming, timing
 from specjax.decoding.state import STAT_FIELDS as SPEC_FIELDS
 from specjax.sprinter.loop import EXTRA_FIELDS
 
@@ -34,23 +36,47 @@ def aggregate(rows: list[dict]) -> dict:
   return total
 
 
+class Interrupted(KeyboardInterrupt):
+  """Ctrl-C during a generation: `rows` are the prompts finished before it (the batch in flight
+  is dropped)."""
+
+  def __init__(self, rows: list):
+    super().__init__()
+    self.rows = rows
+
+
 def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: int = 16,
-                   pad_batches: bool = True):
+                   pad_batches: bool = True, show: Callable[[str], None] | None = None):
   """Decode `prompts` (in the chat template with decode.chat) in batches; returns [(prompt,
-  generated ids, text, per-row stats)], each prompt as given.
+  generated ids, text, per-row stats)], each prompt as given, each text cut at its EOS and at the
+  first of decode.stop.
   pad_batches: the last batch is filled with repeats of its last prompt, so that every batch
-  has one shape (the eval tools); rows past the prompts are dropped."""
+  has one shape (the eval tools); rows past the prompts are dropped.
+  show: each prompt's header and text go to show(str) as soon as its batch is done, or as it is
+  generated (streaming: batches of one row, a method that streams, one device)."""
   texts = formatted(method, prompts)
   out = []
   log.info("decoding %d prompt(s) with %s (the first batch of each shape compiles first) ...",
            len(prompts), method.label)
+  live = show is not None and batch_size == 1 and method.streams and method.mesh is None
   for start in range(0, len(prompts), batch_size):
     chunk = texts[start:start + batch_size]
     n = len(chunk)
     if pad_batches:
       chunk = chunk + [chunk[-1]] * (batch_size - n)
-    gen = method.generate(method.prepare(chunk), jax.random.fold_in(key, start))
-    rows = zip(prompts[start:start + n], method.texts(gen), stats_rows(gen.stats, len(chunk)))
+    streamer = None
+    if method.streams and method.mesh is None and (live or method.settings.stop):
+      streamer = streaming.Streamer(method.target.tokenizer, len(chunk), method.settings.stop,
+                                    (lambda _, text: show(text)) if live else None)
+    if live:
+      show(f"> {prompts[start]}\n")
+    try:
+      gen = method.generate(method.prepare(chunk), jax.random.fold_in(key, start), streamer)
+    except KeyboardInterrupt:
+      raise Interrupted(out) from None
+    rows = list(zip(prompts[start:start + n], method.texts(gen), stats_rows(gen.stats, len(chunk))))
+    for p, (_, text), _ in rows if show is not None else ():
+      show(text[streamer.rows[0].shown:] + "\n\n" if live else f"> {p}\n{text}\n\n")
     out += [(p, ids, text, st) for p, (ids, text), st in rows]
   return out
 
@@ -63,17 +89,58 @@ def formatted(method: methods.Method, prompts: list[str]) -> list[str]:
   return [method.target.tokenizer.apply_chat_template(p) for p in prompts]
 
 
-def run(config, prompts: list[str]) -> dict:
+def run(config, prompts: list[str], show: Callable[[str], None] | None = None,
+        compare: bool = False) -> dict:
   """`specjax.decode`'s report: per prompt its text, ids and statistics; totals; settings (with
-  the devices decoding ran on). Every process of a multi-host run gets the same report."""
+  the devices decoding ran on, and the prompts decoded); `timing` (seconds: load, compile,
+  decode, ms per token). show: stream the text (generate_texts). compare: also decode the
+  prompts with the target alone (`compare`: its texts' timing and the speedup). Every process of
+  a multi-host run gets the same report."""
   settings = builders.decode_settings(config)      # refused before any model is built
+  clock, start = timing.clock(), time.perf_counter()
+  compiled = clock.seconds()
   method = methods.build(config)
-  key = jax.random.PRNGKey(settings.seed)
-  rows = generate_texts(method, prompts, key, settings.batch_size, pad_batches=False)
+  load_s = time.perf_counter() - start - (clock.seconds() - compiled)
+  report = decode_timed(method, prompts, jax.random.PRNGKey(settings.seed), show)
+  report["timing"]["load_s"] = load_s
+  report["settings"] = {"mode": method.name, "label": method.label,
+                        "devices": devices(method.mesh), **config.to_dict(),
+                        "prompts": list(prompts)}
+  if compare and method.name != "autoregressive" and "partial" not in report:
+    alone = decode_timed(method.target_only(), prompts, jax.random.PRNGKey(settings.seed))
+    report["compare"] = {"target_alone": alone["timing"],
+                         "speedup": speedup(alone["timing"], report["timing"])}
+  return report
+
+
+def decode_timed(method: methods.Method, prompts: list[str], key,
+                 show: Callable[[str], None] | None = None) -> dict:
+  """results, aggregated stats and timing (compile_s: tracing, lowering, compiling or fetching
+  compiled programs; decode_s: the rest of the generation) of one method on the prompts."""
+  clock = timing.clock()
+  compiled, start = clock.seconds(), time.perf_counter()
+  partial = False
+  try:
+    rows = generate_texts(method, prompts, key, method.settings.batch_size, pad_batches=False,
+                          show=show)
+  except Interrupted as stop:
+    rows, partial = stop.rows, True
+  wall, compile_s = time.perf_counter() - start, clock.seconds() - compiled
   results = [{"prompt": p, "text": text, "tokens": ids, "stats": st} for p, ids, text, st in rows]
-  return {"settings": {"mode": method.name, "label": method.label,
-                       "devices": devices(method.mesh), **config.to_dict()},
-          "results": results, "stats": aggregate([r["stats"] for r in results])}
+  stats = aggregate([r["stats"] for r in results])
+  tokens = sum(len(r["tokens"]) for r in results)
+  decode_s = max(wall - compile_s, 0.0)
+  done = {"partial": {"prompts_done": len(rows), "prompts": len(prompts)}} if partial else {}
+  return {"results": results, "stats": stats, **done,
+          "timing": {"compile_s": compile_s, "decode_s": decode_s, "tokens": tokens,
+                     "ms_per_token": 1e3 * decode_s / tokens if tokens else None}}
+
+
+def speedup(alone: dict, spec: dict) -> float | None:
+  """ms/token of the target alone over ms/token of speculative decoding."""
+  if not (alone.get("ms_per_token") and spec.get("ms_per_token")):
+    return None
+  return alone["ms_per_token"] / spec["ms_per_token"]
 
 
 def devices(mesh) -> dict:
@@ -89,9 +156,13 @@ def reports() -> bool:
   return jax.process_index() == 0
 
 
-def summary_line(stats: dict, wall_s: float) -> str:
-  emitted = stats.get("emitted", 0)
-  parts = [f"{emitted} tokens in {wall_s:.2f}s (incl. compile)"]
+def summary_line(stats: dict, times: dict, before_s: float) -> str:
+  """`stats: N tokens, decode S s (M ms/token), alpha, tau, ...; start-up B s (load L s, compile
+  C s)`: decoding apart from everything before it (times: decode_timed's timing + load_s;
+  before_s: the seconds from the start to the first decoded block, compilation included)."""
+  ms = times.get("ms_per_token")
+  parts = [f"{times.get('tokens', 0)} tokens, decode {times['decode_s']:.2f}s"
+           + (f" ({ms:.1f} ms/token)" if ms else "")]
   if "acceptance_rate" in stats:
     parts.append(f"alpha {stats['acceptance_rate']:.3f}")
   if "block_efficiency" in stats:
@@ -99,7 +170,17 @@ def summary_line(stats: dict, wall_s: float) -> str:
   for f in ("blocks", "target_passes", "draft_passes"):
     if f in stats:
       parts.append(f"{f} {stats[f]}")
-  return "stats: " + ", ".join(parts)
+  return (f"stats: {', '.join(parts)}; start-up {before_s:.1f}s (load {times.get('load_s', 0):.1f}s, "
+          f"compile {times['compile_s']:.1f}s)")
+
+
+def compare_line(report: dict) -> str:
+  """`compare: target alone M ms/token, speculative S ms/token: speedup X` (decode phase only)."""
+  alone, spec = report["compare"]["target_alone"], report["timing"]
+  ratio = report["compare"]["speedup"]
+  fmt = lambda t: f"{t['ms_per_token']:.1f} ms/token" if t.get("ms_per_token") else "n/a"
+  return (f"compare: target alone {fmt(alone)}, {report['settings']['label']} {fmt(spec)}: "
+          f"speedup {ratio:.2f}x" if ratio else f"compare: target alone {fmt(alone)}")
 
 
 def eval_prompts(config, n: int) -> list[str]:

@@ -29,9 +29,11 @@ def embedded_pair(config: ml_collections.ConfigDict, pair: str) -> None:
 
 def decode(**overrides) -> ml_collections.ConfigDict:
   """The `decode` section: speculative and sampling settings of `python -m specjax.decode`.
-  truncate="left" keeps the end of a prompt too long for the cache ("": refuse it)."""
+  truncate="left" keeps the end of a prompt too long for the cache ("": refuse it); stop: stop
+  strings (`--config.decode.stop="['\\n\\n\\n']"`); stream: print text as it is generated."""
   fields = dict(gamma=4, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, seed=0,
-                max_len=0, batch_size=1, lookbehind=10, chat=False, truncate="")
+                max_len=0, batch_size=1, lookbehind=10, chat=False, truncate="", stop=(),
+                stream=True)
   fields.update(overrides)
   return ml_collections.ConfigDict(fields)
 

@@ -46,6 +46,10 @@ T5_WIDTH = dict(d_model=512, d_kv=64, d_ff=1024, num_heads=6, feed_forward_proj=
 T5_DEPTHS = {"deep": 24, "shallow": 2}
 
 
+class ProbeError(ValueError):
+  """A probe process that failed or ran too long (one line: exit status 2 at the CLI)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
   name: str
@@ -72,7 +76,7 @@ def run_probe(command: list[str], compile_cache: pathlib.Path, timeout: float) -
     if status != 0:
       log.seek(0)
       last = (log.read().strip().splitlines() or ["(no output)"])[-1]
-      raise RuntimeError(f"the probe failed ({' '.join(command[2:4])} ...): {last}")
+      raise ProbeError(f"the probe failed ({' '.join(command[2:4])} ...): {last}")
   return {**json.loads(out.read_text()), "wall_s": wall,
           "cpu_s": usage.ru_utime + usage.ru_stime}
 
@@ -88,7 +92,7 @@ def wait(proc: subprocess.Popen, timeout: float):
     time.sleep(0.02)
   proc.kill()
   proc.wait()
-  raise RuntimeError(f"the probe ran past {timeout:.0f} s and was stopped")
+  raise ProbeError(f"the probe ran past {timeout:.0f} s and was stopped")
 
 
 def row(report: dict) -> dict:

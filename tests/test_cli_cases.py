@@ -140,6 +140,8 @@ CASES = [
     case("distributed-without-coordinator", "train.distill",
          [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.distributed.enabled=true"], 2,
          "--config.distributed.coordinator=HOST:PORT"),
+    case("startup-probe-fails", "eval.startup", ["--config", "tiny.py", MISSING], 2,
+         "the probe failed (eval.startup_probe --config ...): "),
     case("damaged-verifier-json", "specjax.decode",
          ["--config", "tiny.py", MISSING, "--config.rule.name=sprinter",
           "--config.rule.verifier={verifier}", "--prompt", "x"], 2,

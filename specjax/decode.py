@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     cli.setup()
     cfg = config.load_config(args.config, overrides)
+    if output:
+      inputs = {"--input_file": args.input_file, **config.input_paths(args.config, cfg)}
+      outputs.check_not_input(output, inputs, "--output_json")
     prompts = read_prompts(args, cfg)
     streaming = runner.reports() and builders.decode_settings(cfg).stream
     ready = time.perf_counter() - start

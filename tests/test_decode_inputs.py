@@ -128,9 +128,11 @@ def test_output_json_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
   assert code == 2 and "is a directory" in err, err
 
 
-def _fake_report(*_):
+def _fake_report(*_, **__):
   return {"settings": {}, "stats": {"emitted": 2, "acceptance_rate": math.nan},
-          "results": [{"prompt": "x", "text": "yz", "tokens": [5, 6], "stats": {}}]}
+          "results": [{"prompt": "x", "text": "yz", "tokens": [5, 6], "stats": {}}],
+          "timing": {"load_s": 0.0, "compile_s": 0.0, "decode_s": 0.1, "tokens": 2,
+                     "ms_per_token": 50.0}}
 
 
 def test_output_json_is_strict_and_atomic(tmp_path, capsys, monkeypatch):

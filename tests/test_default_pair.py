@@ -52,8 +52,7 @@ def test_default_command_decodes_the_pair_streams_and_compares(offline_pair, cap
   assert re.search(r"^compare: target alone [0-9.]+ ms/token, greedy [0-9.]+ ms/token: speedup "
                    r"[0-9.]+x$", captured.out, re.M), captured.out
   assert report["compare"]["speedup"] > 0
-  # greedy SD with the rule `greedy` is the target's greedy text: the compare run agrees.
-  assert "fetching qwen-coder" in captured.err and "loading the target" in captured.err
+  assert report["timing"]["load_s"] > 0 and report["timing"]["compile_s"] > 0
 
 
 def test_stop_strings_cut_the_text_and_end_the_row(offline_pair, capsys):

@@ -17,7 +17,7 @@ import sys
 import jax
 
 from eval import flags
-from specjax.app import builders, cli, methods, outputs, runner
+from specjax.app import builders, cli, methods, outputs, resolve, runner
 from specjax.app.config import load_config
 from specjax.data import metrics
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     output = flags.output_file(args.output_json, "--output_json")
     cli.setup()
     config = load_config(args.config, overrides)
-    source = builders.eval_source(config)
+    source = resolve.eval_source(config)
     examples = source.eval_examples("validation", args.num_examples)
     prompts, refs = [p for p, _ in examples], [r for _, r in examples]
     metric = source.task.metric or "rouge"

@@ -30,7 +30,7 @@ import jax
 from eval import flags
 from eval.latency import time_decoding
 from specjax.acceptance import registry
-from specjax.app import builders, cli, methods, outputs, runner
+from specjax.app import builders, cli, methods, outputs, resolve, runner
 from specjax.app.config import load_config
 from specjax.data import metrics
 
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     cli.setup()
     config = load_config(args.config, overrides)
     points = build_points(config, args)
-    source = builders.eval_source(config)
+    source = resolve.eval_source(config)
     examples = source.eval_examples("validation", args.num_examples)
     metric = source.task.metric or "rouge"
     quality_key = args.quality_key or PRIMARY[metric]

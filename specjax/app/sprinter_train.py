@@ -59,14 +59,24 @@ def split_section(section: dict) -> tuple[DataConfig, train_lib.TrainConfig, Ver
 
 def text_batches(spec: builders.DataSpec, rows: int, count: int, cont_len: int):
   """`count` batches of `rows` text prefixes: the config's task, or the seeded Markov language
-  when data.source == 'markov'."""
+  when data.source == 'markov' (the DataSpec default)."""
   if spec.source == "markov":
     src = distill_data.MarkovSource(spec.vocab_size, rows, spec.prompt_len, cont_len, spec.seed)
     return [src.batch(i) for i in range(count)]
-  src = make_source(spec.task, spec.tokenizer, SourceConfig(
+  src = make_source(spec.task, resolve.tokenizer_location(spec.tokenizer), SourceConfig(
       batch_size=rows, max_target_len=cont_len, lm_prompt_len=spec.lm_prompt_len,
       max_prompt_len=spec.max_prompt_len))
   return [src.batch(i, "train") for i in range(count)]
+
+
+def check_text_source(spec: builders.DataSpec) -> None:
+  """Refuse, before any model is built, a data section that names a task but leaves `source` at
+  its default ('markov') without a Markov vocabulary: the verifier would not train on the task."""
+  if spec.source == "markov" and spec.vocab_size < 3 and spec.task:
+    raise ConfigError(f"the verifier's text comes from data.source, 'markov' unless the config "
+                      f"sets it; this config's data section names task '{spec.task}' but no "
+                      f"source (nor a Markov vocab_size): add source='task' to its data section "
+                      f"to train on the task's text")
 
 
 def check_verifier_workdir(workdir: str, overwrite: bool) -> Path:
@@ -84,11 +94,12 @@ def run_from_config(config, workdir: str) -> dict:
   verifier.json and metrics.json. Returns the metrics."""
   data, training, run = split_section(builders.section(config, "verifier"))
   workdir = check_verifier_workdir(workdir, run.overwrite)
+  spec = builders.data_spec(config)
+  check_text_source(spec)
   log.info("workdir %s", workdir)
   seed = training.seed
   target, tparams = resolve.build_model(builders.model_spec(config, "target"), seed)
   draft, dparams = resolve.build_model(builders.model_spec(config, "draft"), seed + 1)
-  spec = builders.data_spec(config)
   count = math.ceil(run.num_sequences / run.batch_rows)
   if count * run.batch_rows != run.num_sequences:
     log.warning("verifier: num_sequences %d raised to %d (%d whole batches of batch_rows %d)",

@@ -6,7 +6,9 @@ verifier, then decode with it.
 
 The `verifier` section drives training (lam, the data and the optimizer) and stores the decoding
 defaults (threshold tau, gamma_max) in the workdir; `rule` points decoding at that workdir
-(threshold / gamma_max < 0 there: use the saved values).
+(threshold / gamma_max < 0 there: use the saved values). The verifier's text prefixes are the
+stdlib task's (`data.source="task"`, the pair's own BPE tokenizer), the text the pair was
+trained on.
 """
 
 import ml_collections
@@ -27,6 +29,6 @@ def get_config():
   c.decode = common.decode()
   c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
   c.distributed = common.distributed()
-  c.data = common.stdlib_lm_data(eos_id=1)
+  c.data = common.stdlib_lm_data(source="task", eos_id=1)   # the verifier's text prefixes
   c.prompts = list(common.STDLIB_PROMPTS)
   return c

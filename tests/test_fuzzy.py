@@ -268,7 +268,12 @@ def test_threshold_zero_is_greedy_target_decoding_and_infinity_accepts_everythin
   st = got.stats
   np.testing.assert_array_equal(got.tokens[:2], want.tokens)
   np.testing.assert_array_equal(st.accepted[:2], 0)
-  np.testing.assert_array_equal(st.accepted[2:], st.drafted[2:])
+  # Every draft is accepted, but counts stop at what was committed: the last block, cut by
+  # max_new_tokens after `rest` tokens, accepted only those (13 = 3 blocks of 4 + 1 -> 3*3 + 1).
+  full, rest = divmod(max_new - 1, gamma + 1)
+  np.testing.assert_array_equal(st.accepted[2:], full * gamma + min(rest, gamma))
+  np.testing.assert_array_equal(st.verified[2:], st.accepted[2:])
+  np.testing.assert_array_equal(st.drafted[2:], (full + (rest > 0)) * gamma)
   blocks = 1 + math.ceil((max_new - 1) / (gamma + 1))                  # prefill + full blocks
   np.testing.assert_array_equal(st.target_passes[2:], blocks)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import shutil
 from typing import Mapping
 
@@ -21,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from specjax import sampling, testing  # noqa: E402
 from specjax.data import tokenizer  # noqa: E402
 from specjax.decoding import autoregressive  # noqa: E402
-from specjax.models import Prompt, hf_import, layers, llama  # noqa: E402
+from specjax.models import Prompt, hf_import, hf_tensors, layers, llama  # noqa: E402
 
 VOCAB, EOS = 96, 2
 PROMPTS = [[5, 9, 17, 3, 40, 61, 12, 8], [33, 2], [7, 7, 12, 50, 61]]   # ragged on purpose
@@ -349,3 +350,22 @@ def test_hf_tokenizer_without_chat_template_or_generation_config(tmp_path):
   (other / "tokenizer_config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match="defines no EOS token"):
     tokenizer.HFTokenizer.load(other)
+
+
+@pytest.mark.parametrize("hf", ["qwen2_bias_tied"], indirect=True)
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_nan_in_any_layer_is_refused_in_either_layout(hf, tmp_path, scan):
+  """The unrolled load checks every tensor on the device (one read of the counts at the end);
+  the stacked load on the host: both name the tensor and its file."""
+  from safetensors.numpy import load_file, save_file
+  _, _, path = hf
+  shutil.copytree(path, tmp_path / "ckpt")
+  weights = tmp_path / "ckpt" / "model.safetensors"
+  tensors = load_file(str(weights))
+  name = "model.layers.1.mlp.down_proj.weight"
+  tensors[name] = tensors[name].copy()
+  tensors[name][2, 5] = np.nan
+  save_file(tensors, str(weights), metadata={"format": "pt"})
+  with pytest.raises(hf_tensors.NonFiniteTensorError,
+                     match=re.escape(f"{weights}: tensor {name} holds 1 NaN/inf values")):
+    hf_import.load_model(str(tmp_path / "ckpt"), scan_layers=scan)

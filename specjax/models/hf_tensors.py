@@ -12,10 +12,12 @@ checkpoint is refused by tensor and file instead of decoding padding.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 SOURCE_DTYPES = ("float16", "bfloat16", "float32", "float64")   # stored dtypes we cast from
@@ -99,10 +101,17 @@ class LazyTensors(Mapping):
           self._header[name] = (tuple(info.get_shape()), _SAFETENSORS_DTYPES.get(dtype, dtype))
 
   def __getitem__(self, name: str) -> np.ndarray:
-    with _open(self._file[name]) as handle:
-      tensor = handle.get_tensor(name)
+    tensor = self.raw(name)
     check_finite(tensor, name, self._file[name])
     return tensor
+
+  def raw(self, name: str) -> np.ndarray:
+    """The tensor as stored, not checked for NaN / inf (the caller checks it: FiniteChecks)."""
+    with _open(self._file[name]) as handle:
+      return handle.get_tensor(name)
+
+  def file(self, name: str) -> Path:
+    return self._file[name]
 
   def __contains__(self, name) -> bool:   # from the headers: Mapping's default would read it
     return name in self._file
@@ -171,3 +180,43 @@ def stack_layers(read_layer: Callable[[int], np.ndarray], num_layers: int, dtype
   for i in range(1, num_layers):
     stacked[i] = read_layer(i)
   return jax.device_put(stacked)
+
+
+def raw_tensor(tensors: Mapping, name: str) -> np.ndarray:
+  """tensors[name] as stored: unchecked from a safetensors file (FiniteChecks checks it on the
+  device), else the mapping's own lookup (which checks what it dequantizes)."""
+  return tensors.raw(name) if isinstance(tensors, LazyTensors) else np.asarray(tensors[name])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _convert(x: jax.Array, transpose: bool, dtype) -> tuple[jax.Array, jax.Array]:
+  y = (x.T if transpose else x).astype(dtype)
+  return y, jnp.sum(~jnp.isfinite(x)).astype(jnp.int32)
+
+
+def to_param(array: np.ndarray, transpose: bool, dtype) -> tuple[jax.Array, jax.Array]:
+  """One stored tensor -> (the param leaf on the default device, transposed if asked, in dtype;
+  its count of NaN / inf values, not yet read). The cast runs on the device (multithreaded there)
+  and the host keeps no converted copy."""
+  return _convert(jax.device_put(array), transpose, dtype)
+
+
+class FiniteChecks:
+  """NaN / inf counts of the tensors of one load, read all at once at the end (one host sync,
+  not one per tensor); raises NonFiniteTensorError naming the first bad tensor and its file."""
+
+  def __init__(self, tensors: Mapping):
+    self.tensors, self.counts = tensors, []
+
+  def add(self, name: str, count: jax.Array) -> None:
+    self.counts.append((name, count))
+
+  def raise_if_any(self) -> None:
+    if not self.counts:
+      return
+    counts = np.asarray(jnp.stack([c for _, c in self.counts]))
+    for (name, _), count in zip(self.counts, counts):
+      if count:
+        where = (self.tensors.file(name) if isinstance(self.tensors, LazyTensors)
+                 else getattr(self.tensors, "path", "?"))
+        raise NonFiniteTensorError(name, Path(where), int(count))

@@ -470,6 +470,8 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
   hf_tensors.check_names(tensors, expected, "Llama-family",
                          f"does its config.json (num_hidden_layers={cfg.num_layers}, "
                          f"tie_word_embeddings={cfg.tie_word_embeddings}) match the weights?")
+  if not cfg.scan_layers:
+    return _params_unrolled(tensors, names, shapes, cfg.num_layers, dtype)
   params: dict = {}
   for name, path in names.items():
     shape = _get(shapes, path).shape
@@ -481,6 +483,32 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
       stacked[i] = _read(tensors, name.format(i=i), path, shape[1:], dtype)
     _set(params, path, jnp.asarray(stacked))
   return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
+
+
+def _params_unrolled(tensors: Mapping[str, np.ndarray], names: dict, shapes, num_layers: int,
+                     dtype) -> Params:
+  """The unrolled layout (layers_0 ... layers_{L-1}) straight from the tensors: each one is put
+  on the device as stored, then transposed, cast and checked for NaN / inf there in one compiled
+  call (hf_tensors.to_param), so the host makes no converted copy, no stack and no split."""
+  params: dict = {}
+  checks = hf_tensors.FiniteChecks(tensors)
+  for name, path in names.items():
+    shape = _get(shapes, path).shape
+    per_layer = path[0] == "layers"
+    for i in range(num_layers) if per_layer else (None,):
+      hf_name, where = ((name.format(i=i), (layers.layer_name(i), *path[1:])) if per_layer
+                        else (name, path))
+      want = shape[1:] if per_layer else shape
+      raw = hf_tensors.raw_tensor(tensors, hf_name)
+      expect = tuple(want[::-1] if path[-1] == "kernel" else want)
+      if raw.shape != expect:
+        raise ValueError(f"checkpoint tensor '{hf_name}' has shape {raw.shape} but the config "
+                         f"implies {expect}.")
+      value, bad = hf_tensors.to_param(raw, path[-1] == "kernel", jnp.dtype(dtype))
+      checks.add(hf_name, bad)
+      _set(params, where, value)
+  checks.raise_if_any()
+  return params
 
 
 def params_to_hf(model: Llama, params: Params) -> dict[str, np.ndarray]:

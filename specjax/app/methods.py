@@ -27,6 +27,7 @@ from specjax import sharding
 from specjax.acceptance import registry, vocab
 from specjax.app import builders, prompt_fit, resolve, streaming
 from specjax.app.config import ConfigError
+from specjax.data import tokenizer as tokenizer_lib
 from specjax.decoding import autoregressive, sharded, speculative, string_level
 from specjax.decoding.state import Generation
 from specjax.models import prompting
@@ -232,6 +233,19 @@ class Autoregressive(Method):
         mesh=self.mesh, on_chunk=on_chunk)
 
 
+def check_same_vocabulary(target: resolve.LoadedModel, draft: resolve.LoadedModel,
+                          what: str) -> None:
+  """Refuse a draft whose tokenizer gives other ids than the target's to a rule that reads draft
+  ids as target ids (it would accept them and print the draft's ids in the target's vocabulary).
+  What decides the ids is compared (tokenizer.same_vocabulary), not files or sizes."""
+  if not tokenizer_lib.same_vocabulary(target.tokenizer, draft.tokenizer):
+    raise ConfigError(
+        f"{what} reads the draft's ids as the target's, but the draft's tokenizer "
+        f"({draft.tokenizer.path}) is not the target's ({target.tokenizer.path}): use a "
+        f"cross-tokenizer rule (--config.rule.name=intersection, union, slem or slrs) or a draft "
+        f"with the target's tokenizer")
+
+
 def _no_streaming(method: Method, on_chunk) -> None:
   if on_chunk is not None:
     raise ValueError(f"method {method.name} has a loop of its own: it does not stream (its text "
@@ -274,6 +288,8 @@ class Speculative(Method):
                         f"rules are {', '.join(err.known)}; decoding methods are "
                         f"{', '.join(n for n in names() if n != 'speculative')}") from None
     fixed = {}
+    if not needs_map:
+      check_same_vocabulary(target, draft, f"--config.rule.name={name}")
     if needs_map:     # a draft with another tokenizer: the rule maps ids through a VocabMap
       fixed["vocab"] = vocab.build(target.tokenizer, draft.tokenizer,
                                    target_width=target.model.vocab_size,
@@ -344,6 +360,7 @@ class Sprinter(Method):
       raise ConfigError(f"the verifier in {hp.verifier} was saved with {err}") from None
     mesh = mesh_from_config(config)
     target, draft = _load_pair(config, target_role, draft_role, mesh)
+    check_same_vocabulary(target, draft, "method sprinter")
     return cls(target=target, settings=builders.decode_settings(config), mesh=mesh, draft=draft,
                verifier=verifier, verifier_params=params, threshold=threshold,
                gamma_max=gamma_max)

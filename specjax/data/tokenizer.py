@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import dataclasses
+import functools
+import hashlib
 import io
 import json
 import os
@@ -106,6 +108,15 @@ class Tokenizer:
   def piece_to_id(self, piece: str) -> int:
     return self.sp.piece_to_id(piece)
 
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """A digest of what decides the ids of a text and the text of ids: every piece, its score
+    and type (the trainer's settings and file names do not count)."""
+    sp = self.sp
+    rows = [(sp.id_to_piece(i), round(float(sp.get_score(i)), 6), sp.is_control(i),
+             sp.is_unknown(i), sp.is_byte(i)) for i in range(sp.get_piece_size())]
+    return _digest({"pieces": rows, "special": [self.pad_id, self.eos_id, self.bos_id]})
+
   def apply_chat_template(self, user_text: str) -> str:
     """Never returns: a SentencePiece model has no chat template (NoChatTemplateError)."""
     raise NoChatTemplateError(self.path)
@@ -185,6 +196,20 @@ class HFTokenizer:
   def piece_to_id(self, piece: str) -> int:
     return self.tok.convert_tokens_to_ids(piece)
 
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """A digest of what decides the ids of a text and the text of ids: the vocabulary and merges,
+    normalizer, pre-tokenizer, decoder, added tokens and special ids (a chat template, file names
+    and sizes do not count: the Qwen coder pair differs only in its template)."""
+    backend = getattr(self.tok, "backend_tokenizer", None)
+    if backend is not None:
+      spec = json.loads(backend.to_str())
+      parts = {k: spec.get(k) for k in ("model", "normalizer", "pre_tokenizer", "decoder",
+                                         "added_tokens")}
+    else:
+      parts = {"vocab": sorted(self.tok.get_vocab().items())}
+    return _digest({**parts, "special": [list(self.eos_ids), self.bos_id, self.pad_id]})
+
   def apply_chat_template(self, user_text: str) -> str:
     """One user turn in the checkpoint's chat format, ending where the assistant's reply starts:
     the text to `encode` (its special tokens are in the text, so none are added again)."""
@@ -192,6 +217,16 @@ class HFTokenizer:
       raise NoChatTemplateError(self.path)
     return self.tok.apply_chat_template([{"role": "user", "content": user_text}],
                                         add_generation_prompt=True, tokenize=False)
+
+
+def _digest(obj) -> str:
+  return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def same_vocabulary(a, b) -> bool:
+  """Whether two tokenizers give every text the same ids (and ids the same text): the same
+  object or file, else equal fingerprints."""
+  return a is b or a.path == b.path or a.fingerprint == b.fingerprint
 
 
 def _generation_config(path: str | os.PathLike) -> dict:

@@ -74,3 +74,17 @@ def test_hf_fingerprint_ignores_the_chat_template_and_sees_a_new_token(tmp_path)
   a, b, c = (tokenizer_lib.get_tokenizer(str(tmp_path / n)) for n in "abc")
   assert tokenizer_lib.same_vocabulary(a, b)
   assert not tokenizer_lib.same_vocabulary(a, c)
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused_naming_them(dirs, tmp_path):
+  bare = tmp_path / "bare"
+  shutil.copytree(dirs["target"], bare)
+  (bare / "spm.model").unlink()
+  with pytest.raises(tokenizer_lib.TokenizerNotFoundError,
+                     match=r"holds no tokenizer \(looked for tokenizer.json, .*--config.target."
+                           r"tokenizer"):
+    tokenizer_lib.get_tokenizer(str(bare))
+  cfg = config.load_config("tiny.py", [f"--config.target.checkpoint={bare}",
+                                       "--config.draft.checkpoint="])
+  with pytest.raises(tokenizer_lib.TokenizerNotFoundError):
+    methods.build(cfg)

@@ -45,6 +45,21 @@ TRAINER_VERSION = 1
 _SPEC = re.compile(r"^stdlib:(unigram|bpe):(\d+)(?::(\d+))?$")
 
 
+# The files a Hugging Face tokenizer is read from (one of them must be there).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "spiece.model", "vocab.txt", "spm.model")
+
+
+class TokenizerNotFoundError(FileNotFoundError):
+  """A checkpoint directory without tokenizer files; the message names the files looked for."""
+
+  def __init__(self, path):
+    super().__init__(f"{path} holds no tokenizer (looked for {', '.join(TOKENIZER_FILES)}): copy "
+                     f"the model's tokenizer files there, or name them with "
+                     f"--config.target.tokenizer / --config.draft.tokenizer")
+    self.path = path
+
+
 class NoChatTemplateError(ValueError):
   """A chat prompt asked of a tokenizer without a chat template; carries its `path`."""
 
@@ -144,6 +159,9 @@ class HFTokenizer:
     if not os.path.isdir(path):
       raise FileNotFoundError(f"no Hugging Face checkpoint directory at {path}: pass a local "
                               "directory holding tokenizer.json / tokenizer_config.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+      # transformers would build a tokenizer that knows no text and decode every id to ""
+      raise TokenizerNotFoundError(path)
     with TRANSFORMERS:
       import transformers   # heavy import, only when used
       tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -248,7 +248,19 @@ def parse_args(argv):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--quality_key", default=None, help="metric key plotted (default per metric)")
   p.add_argument("--output", default=None, help="output prefix (default tradeoff_RULE)")
-  return cli.parse(p, argv)
+  return cli.parse(p, _joined_lists(sys.argv[1:] if argv is None else argv))
+
+
+def _joined_lists(argv: list[str]) -> list[str]:
+  """`--values -1,0.5` as `--values=-1,0.5`: argparse takes a value that starts with '-' and is
+  not one number for a flag (the rule's own check then refuses a value out of its range)."""
+  out, argv = [], list(argv)
+  for i, arg in enumerate(argv):
+    if i and argv[i - 1] in ("--values", "--random_values") and arg.startswith("-"):
+      out[-1] = f"{out[-1]}={arg}"
+    else:
+      out.append(arg)
+  return out
 
 
 def build_points(config, args) -> list[tuple[Setting, methods.Method]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specjax.data.cache import cache_dir, settings_key
+from specjax.data.cache import build_lock, cache_dir, settings_key
 from specjax.models import gguf_import
 
 log = logging.getLogger(__name__)
@@ -33,13 +33,19 @@ def hf_dir(gguf_path: Path) -> Path:
   out = cache_dir() / "gguf" / f"{path.stem}-{key}"
   if (out / "config.json").exists():
     return out
+  with build_lock(f"gguf-{out.name}"):       # another process may be converting it
+    if not (out / "config.json").exists():
+      _convert(path, stat, out)
+  return out
+
+
+def _convert(path: Path, stat, out: Path) -> None:
   log.info("converting %s (%.2f GB) to a bfloat16 Hugging Face directory %s (first use only)",
            path.name, stat.st_size / 1e9, out)
   with _progress() as bar:
     task = bar.add_task(f"dequantizing {path.name}", total=None)
     gguf_import.convert(path, out, on_tensor=lambda done, total, name: bar.update(
         task, completed=done, total=total, description=f"dequantizing {path.name}: {name}"))
-  return out
 
 
 def _progress() -> Progress:

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 
 from specjax.app import builders, fetch, gguf_cache, zoo
+from specjax.data.cache import build_lock
 from specjax.data.tokenizer import get_tokenizer
 from specjax.models import gguf_import, hf_import, layers
 
@@ -52,9 +53,9 @@ _PAIR_LOCK = threading.RLock()
 
 
 def _pair_dir(name: str) -> Path:
-  """The embedded or fetched pair's directory, built or fetched once per process even when the
-  data thread and a model build ask for it together."""
-  with _PAIR_LOCK:
+  """The embedded or fetched pair's directory, built or fetched once even when the data thread
+  and a model build ask for it together, or another process builds it (data.cache.build_lock)."""
+  with _PAIR_LOCK, build_lock(name.split("/")[0]):
     if name.startswith("builtin:"):
       return zoo.ensure(name.removeprefix("builtin:"))
     return fetch.ensure(name.removeprefix(fetch.SCHEME))

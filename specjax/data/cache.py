@@ -7,10 +7,18 @@ change of settings never reads a stale file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import pathlib
+import threading
+from typing import Iterator
+
+import filelock
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> pathlib.Path:
@@ -32,3 +40,33 @@ def atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
   tmp.write_bytes(data)
   os.replace(tmp, path)
+
+
+_LOCKS: dict[str, filelock.FileLock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+  """Hold CACHE/locks/NAME.lock (an OS file lock: released when the process dies) while a cache
+  entry is built or checked: a pair fetched, a GGUF converted, the embedded pair trained. Another
+  process waits for it, saying for which process. Re-entrant in one thread (one lock object per
+  name), so a build may resolve other entries under it."""
+  path = cache_dir() / "locks" / f"{name.replace('/', '_')}.lock"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with _LOCKS_GUARD:
+    lock = _LOCKS.setdefault(str(path), filelock.FileLock(str(path)))
+  pid_file = path.with_name(path.name + ".pid")
+  try:
+    lock.acquire(timeout=0)
+  except filelock.Timeout:
+    holder = pid_file.read_text().strip() if pid_file.exists() else "?"
+    log.info("waiting for process %s, which is building %s in %s ...", holder, name,
+             cache_dir())
+    lock.acquire()
+  try:
+    if lock.lock_counter == 1:
+      pid_file.write_text(f"{os.getpid()}\n")
+    yield
+  finally:
+    lock.release()

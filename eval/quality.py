@@ -18,7 +18,7 @@ import jax
 
 from eval import flags
 from specjax.app import builders, cli, methods, outputs, resolve, runner
-from specjax.app.config import load_config
+from specjax.app.config import input_paths, load_config
 from specjax.data import metrics
 
 
@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     output = flags.output_file(args.output_json, "--output_json")
     cli.setup()
     config = load_config(args.config, overrides)
+    outputs.check_not_input(output, input_paths(args.config, config), "--output_json")
     source = resolve.eval_source(config)
     examples = source.eval_examples("validation", args.num_examples)
     prompts, refs = [p for p, _ in examples], [r for _, r in examples]

@@ -31,7 +31,7 @@ from eval import flags
 from eval.latency import time_decoding
 from specjax.acceptance import registry
 from specjax.app import builders, cli, methods, outputs, resolve, runner
-from specjax.app.config import load_config
+from specjax.app.config import input_paths, load_config
 from specjax.data import metrics
 
 SWEPT = {"fuzzy": "threshold", "lenient": "eps"}     # the hyperparameter --values sets
@@ -288,6 +288,8 @@ def main(argv=None) -> int:
     output = check_output(args.output or f"tradeoff_{args.rule}")
     cli.setup()
     config = load_config(args.config, overrides)
+    for suffix in OUTPUT_SUFFIXES:
+      outputs.check_not_input(f"{output}{suffix}", input_paths(args.config, config), "--output")
     points = build_points(config, args)
     source = resolve.eval_source(config)
     examples = source.eval_examples("validation", args.num_examples)

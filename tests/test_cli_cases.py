@@ -28,7 +28,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from eval import humaneval, latency, matmul, startup, tradeoff
+from eval import humaneval, latency, matmul, quality, startup, tradeoff
 from specjax import checkpoint, decode
 from specjax.data.tokenizer import train_sentencepiece
 from specjax.models import hf_import
@@ -38,7 +38,7 @@ TOOLS = {"train.distill": distill.main,
          "train.pretrain": lambda argv: distill.main(argv, pretrain=True),
          "eval.latency": latency.main, "eval.humaneval": humaneval.main,
          "eval.startup": startup.main, "eval.matmul": matmul.main, "specjax.decode": decode.main,
-         "eval.tradeoff": tradeoff.main}
+         "eval.tradeoff": tradeoff.main, "eval.quality": quality.main}
 MISSING = "--config.target.checkpoint=/nonexistent/specjax-target"
 # distill_tiny's models are built from fields: a missing init_from stops them instead.
 NO_TEACHER = "--config.target.init_from=/nonexistent/specjax-target"
@@ -99,6 +99,9 @@ CASES = [
          [*TRAIN, "--workdir", "{init}", "--config.target.init_from={init}"], 2,
          "--workdir {init} would overwrite --config.target.init_from {init}", ["{init}"]),
     # ------------------------------------------------------------------------------ tracebacks
+    case("quality-output-is-config", "eval.quality", ["--config", "{cfg}", "--output_json",
+                                                      "{cfg}"], 2,
+         "would overwrite --config {cfg}, an input of this run", ["{cfg}"]),
     case("tradeoff-negative-value", "eval.tradeoff",
          ["--config", "tiny.py", "--rule", "fuzzy", "--values", "-1,0.5", "--random_values", ""],
          2, "fuzzy threshold must be >= 0 (0 = target only, inf = accept all), got -1.0"),

@@ -198,6 +198,24 @@ def sweep(config_name: str, overrides: list[str], items) -> list:
   return out
 
 
+def check_room(method, problems: list[dict], max_new_tokens: int) -> None:
+  """Refuse --max_new_tokens that the method's caches cannot hold after the longest problem
+  prompt (decoding continues from prompt + text, so the whole budget must fit), naming the
+  largest that does."""
+  method = method.with_settings(max_new_tokens=max_new_tokens)
+  for loaded in method.models():
+    room = method.room(loaded)
+    if room is None:
+      continue
+    longest = max(len(method.encode_text(loaded, p["prompt"])) for p in problems)
+    if longest > room.longest:
+      most = room.largest_max_new_tokens(longest)
+      raise ConfigError(f"--max_new_tokens {max_new_tokens}: {room.describe()}, and the longest "
+                        f"problem prompt takes {longest}: use --max_new_tokens "
+                        f"{max(most or 0, 0)} or less" + (" (or a model with more positions)"
+                                                          if not most or most < 1 else ""))
+
+
 def run_method(method, problems, args, settings) -> dict:
   """Decode, test and report one method; prints a line per problem and a summary line."""
   decoded, seconds = decode(method, problems, settings.seed,
@@ -251,6 +269,8 @@ def main(argv=None) -> int:
                             args.samples, settings.temperature)
     chosen = sweep(args.config, overrides, items) if items else [methods.build(config)]
     names = [i for i, _ in items] or [chosen[0].label]
+    for method in chosen:                 # refused now, not after several rounds
+      check_room(method, problems, args.max_new_tokens)
     reports = []
     for method, item in zip(chosen, names):
       out = run_method(method, problems, args, settings)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from test_cli_end_to_end import pair  # noqa: F401,E402  (a tiny checkpoint pair)
 from eval import humaneval, sandbox
 
 PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
@@ -87,6 +88,9 @@ class _Stub:
 
   def with_settings(self, max_new_tokens):
     return _Stub(max_new_tokens)
+
+  def models(self):
+    return []
 
 
 def test_decoding_in_chunks_stops_finished_completions(monkeypatch):
@@ -194,3 +198,19 @@ def test_samples_repeat_each_problem_and_pass_at_1_is_their_mean(problems, tmp_p
   assert humaneval.main(["--config", "tiny.py", "--problems", str(problems), "--samples", "2",
                          "--config.decode.temperature=0"]) == 2        # greedy: refused, named
   assert "--samples 2 under greedy decoding" in capsys.readouterr().err
+
+
+def test_max_new_tokens_the_caches_cannot_hold_is_refused_before_decoding(pair):
+  """The tiny pair holds 128 positions: 384 new tokens never fit; the message names the most
+  that do after the longest prompt."""
+  from specjax.app import config, methods
+  cfg = config.load_config("tiny.py", [f"--config.target.checkpoint={pair['target']}",
+                                       f"--config.draft.checkpoint={pair['draft']}"])
+  method = methods.build(cfg)
+  problems = [{"prompt": "def f(x):\n    return x\n"}, {"prompt": "def g():\n"}]
+  longest = max(len(method.encode_text(method.target, p["prompt"])) for p in problems)
+  most = 128 - 4 - longest                        # positions - gamma - prompt
+  with pytest.raises(humaneval.ConfigError, match=rf"--max_new_tokens 384: the target's cache holds 128 "
+                                        rf"positions .* use --max_new_tokens {most} or less"):
+    humaneval.check_room(method, problems, 384)
+  humaneval.check_room(method, problems, most)    # the largest that fits passes

@@ -173,6 +173,12 @@ class Method:
   def role(self, loaded: resolve.LoadedModel) -> str:
     return "the target" if loaded is self.target else "the draft"
 
+  def encode_text(self, loaded: resolve.LoadedModel, text: str) -> list[int]:
+    """One text's ids for `loaded` as decoding feeds them (chat template included), unfitted."""
+    text = formatted_text(self, text)
+    return prompting.encode(loaded.tokenizer, text,
+                            encoder_decoder=loaded.model.is_encoder_decoder)
+
   def encode(self, loaded: resolve.LoadedModel, texts) -> Prompt:
     """Texts -> a bucketed Prompt for one model, every row fitted to its cache (prompt_fit);
     the bucket is clipped to the room left in the cache."""
@@ -244,6 +250,13 @@ def check_same_vocabulary(target: resolve.LoadedModel, draft: resolve.LoadedMode
         f"({draft.tokenizer.path}) is not the target's ({target.tokenizer.path}): use a "
         f"cross-tokenizer rule (--config.rule.name=intersection, union, slem or slrs) or a draft "
         f"with the target's tokenizer")
+
+
+def formatted_text(method: Method, text: str) -> str:
+  """With decode.chat, the text as one user turn in the target's chat template."""
+  if not method.settings.chat:
+    return text
+  return method.target.tokenizer.apply_chat_template(text)
 
 
 def _no_streaming(method: Method, on_chunk) -> None:

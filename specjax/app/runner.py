@@ -84,9 +84,7 @@ def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: 
 def formatted(method: methods.Method, prompts: list[str]) -> list[str]:
   """With decode.chat, every prompt as one user turn in the target's chat template (the draft
   reads the same text, so both models see the same tokens)."""
-  if not method.settings.chat:
-    return list(prompts)
-  return [method.target.tokenizer.apply_chat_template(p) for p in prompts]
+  return [methods.formatted_text(method, p) for p in prompts]
 
 
 def run(config, prompts: list[str], show: Callable[[str], None] | None = None,

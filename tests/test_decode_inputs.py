@@ -272,3 +272,12 @@ def test_tiny_hetero_leaves_room_for_its_prompts():
   positions, up to 5 draft tokens per target token for the built pair) room for a prompt."""
   settings = builders.decode_settings(load_config("tiny_hetero.py"))
   assert 256 - (5 * settings.max_new_tokens + settings.gamma) >= 64
+
+
+def test_a_gamma_the_cache_cannot_hold_names_the_largest_gamma():
+  from specjax.app.prompt_fit import PromptTooLongError, Room
+  room = Room(model="the target", limit=128, limit_from="its n_positions", max_new_tokens=64,
+              fixed=10**9, fixed_from=f"gamma {10**9}")
+  message = str(PromptTooLongError("def f(x):", 5, room, keep_at_least=2))
+  assert "lower --config.decode.gamma (at most 59 for this prompt)" in message
+  assert "longer position table" not in message

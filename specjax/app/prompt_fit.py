@@ -45,6 +45,13 @@ class Room:
       return None
     return (self.limit - self.fixed - prompt_len) // self.per_token
 
+  def largest_gamma(self, prompt_len: int) -> int | None:
+    """The longest verify block (gamma) that leaves room for the prompt and the new tokens (None:
+    the fixed positions are not a verify block)."""
+    if not self.fixed_from.startswith("gamma"):
+      return None
+    return self.limit - self.per_token * self.max_new_tokens - prompt_len
+
   def describe(self) -> str:
     per = "" if self.per_token == 1 else f", each up to {self.per_token} draft tokens,"
     fixed = f" + {self.fixed_from}" if self.fixed else ""
@@ -64,9 +71,12 @@ class PromptTooLongError(ValueError):
     most = room.largest_max_new_tokens(tokens)
     if most is not None and most >= 1:
       fixes.append(f"lower --config.decode.max_new_tokens (at most {most} for this prompt)")
+    gamma = room.largest_gamma(tokens)
+    if gamma is not None and 1 <= gamma < room.fixed:
+      fixes.append(f"lower --config.decode.gamma (at most {gamma} for this prompt)")
     if room.limit_from.startswith("--config"):
       fixes.append(f"raise {room.limit_from}")
-    elif most is not None and most < 1:
+    elif most is not None and most < 1 and not (gamma is not None and gamma >= 1):
       fixes.append("use a model with a longer position table")
     fits = (f"the longest prompt that fits is {room.longest} tokens" if room.longest > 0
             else "no prompt fits")

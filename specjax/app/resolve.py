@@ -5,8 +5,10 @@ tokenizer loaded."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -14,9 +16,9 @@ from pathlib import Path
 import jax
 
 from specjax.app import builders, fetch, gguf_cache, zoo
-from specjax.data.cache import build_lock
+from specjax.data.cache import build_lock, cache_dir, settings_key
 from specjax.data.tokenizer import get_tokenizer
-from specjax.models import gguf_import, hf_import, layers
+from specjax.models import gguf_import, hf_import, layers, param_cache
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +94,76 @@ def load(spec: builders.ModelSpec) -> LoadedModel:
   log.info("loading the %s from %s (%.2f GB on disk) as %s ...", spec.role, path, size_gb,
            spec.dtype)
   start = time.perf_counter()
-  model, params = hf_import.load_model(str(path), spec.dtype,
-                                       scan_layers=layers.scan_layers(spec.layers))
+  model, params = _load_params(spec, path)
   log.info("loaded the %s in %.1fs", spec.role, time.perf_counter() - start)
   check_vocab(spec, model.vocab_size, tokenizer)
   params = builders.with_init_from(spec, params)
   return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tokenizer, path=path)
+
+
+def _load_params(spec: builders.ModelSpec, path: Path):
+  """(model, params) of a checkpoint directory. specjax's own converted checkpoints (under the
+  cache: fetched pairs, GGUF conversions, the embedded pairs) keep their loaded params in the
+  model's layout and dtype (models.param_cache), mapped on later loads instead of converted
+  again; the first load writes them when the process exits (after its results)."""
+  scan = layers.scan_layers(spec.layers)
+  cached = _param_cache_dir(path, spec.dtype, scan)
+  if cached is not None and param_cache.complete(cached):
+    model = hf_import.model_from_dir(path, spec.dtype, scan_layers=scan)
+    like = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
+    try:
+      return model, param_cache.load(cached, like)
+    except (ValueError, OSError) as err:            # damaged: load the checkpoint again
+      log.warning("ignoring the cached params in %s (%s)", cached, err)
+  model, params = hf_import.load_model(str(path), spec.dtype, scan_layers=scan)
+  if cached is not None:
+    _save_at_exit(cached, params, spec.role)
+  return model, params
+
+
+PARAM_CACHE_VERSION = 1
+
+
+def _param_cache_dir(path: Path, dtype: str, scan: bool) -> Path | None:
+  """CACHE/params/NAME-KEY for checkpoints inside the cache (None elsewhere: a user's
+  checkpoints are not copied); KEY digests the weight files, the dtype and the layout."""
+  root = cache_dir()
+  path = path.resolve()
+  if os.environ.get("SPECJAX_PARAM_CACHE", "1") == "0" or root.resolve() not in path.parents:
+    return None
+  files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".json"))
+  key = settings_key({"path": str(path), "dtype": dtype, "scan": scan,
+                      "v": PARAM_CACHE_VERSION,
+                      "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]})
+  return root / "params" / f"{path.name}-{key}"
+
+
+_PENDING: list = []
+
+
+def _save_at_exit(out: Path, params, role: str) -> None:
+  if any(pending == out for pending, _, _ in _PENDING):
+    return
+  if not _PENDING:
+    atexit.register(_save_pending)
+  _PENDING.append((out, params, role))
+
+
+def _save_pending() -> None:
+  """Write the params loaded this run into the cache (at exit: off the path to the first token);
+  a failure costs only the speed-up of the next run."""
+  while _PENDING:
+    out, params, role = _PENDING.pop(0)
+    start = time.perf_counter()
+    log.info("keeping the %s's loaded params in %s for the next run (once) ...", role, out)
+    try:
+      with build_lock(f"params-{out.name}"):
+        param_cache.save(params, out)
+    except (OSError, ValueError) as err:
+      log.warning("could not keep the %s's params in %s (%s); the next run converts again",
+                  role, out, err)
+      continue
+    log.info("kept the %s's params in %.1fs", role, time.perf_counter() - start)
 
 
 # builders.ARCHS name -> the HF model_type of checkpoints of that architecture.

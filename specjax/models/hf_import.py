@@ -95,6 +95,20 @@ def load_model(name_or_dir: str, dtype: str = "float32", precision: str | None =
   Raises ValueError for an unsupported model_type, dtype or precision, or tensors that do not
   match config.json (before any data is read), CorruptCheckpointError for a damaged file."""
   path = resolve_checkpoint(name_or_dir)
+  mod, model = _model(path, dtype, precision, scan_layers)
+  params = mod.params_from_hf(model, read_tensors(path))
+  return model, params
+
+
+def model_from_dir(path: str | os.PathLike, dtype: str = "float32", precision: str | None = None,
+                   scan_layers: bool | None = None):
+  """The model of a checkpoint directory, as load_model builds it, without reading its weights
+  (params come from elsewhere, e.g. models.param_cache)."""
+  return _model(Path(path), dtype, precision, scan_layers)[1]
+
+
+def _model(path: Path, dtype: str, precision: str | None, scan_layers: bool | None):
+  """(the family's module, the model) of config.json, with specjax's own settings applied."""
   hf_config = read_config(path / "config.json")
   model_type = hf_config.get("model_type")
   registry = _registry()
@@ -107,8 +121,7 @@ def load_model(name_or_dir: str, dtype: str = "float32", precision: str | None =
               if v is not None}      # specjax settings that config.json does not carry
   if settings:
     model = dataclasses.replace(model, config=dataclasses.replace(model.config, **settings))
-  params = mod.params_from_hf(model, read_tensors(path))
-  return model, params
+  return mod, model
 
 
 def read_config(file: Path) -> dict:

@@ -96,7 +96,8 @@ def main(argv=None) -> int:
       inputs = {"--input_file": args.input_file, **config.input_paths(args.config, cfg)}
       outputs.check_not_input(output, inputs, "--output_json")
     prompts = read_prompts(args, cfg)
-    streaming = runner.reports() and builders.decode_settings(cfg).stream
+    streaming = builders.decode_settings(cfg).stream     # (jax starts in runner.run, after any
+                                                          # jax.distributed.initialize)
     ready = time.perf_counter() - start
     report = runner.run(cfg, prompts, show=_show if streaming else None, compare=args.compare)
     times = report["timing"]
@@ -129,8 +130,9 @@ DEFAULT_CONFIG = "qwen_coder.py"
 
 
 def _show(text: str) -> None:
-  sys.stdout.write(text)
-  sys.stdout.flush()
+  if runner.reports():            # multi-host: process 0 prints
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -130,10 +130,19 @@ class Generation:
   stats: SpecStats
 
 
+def host_value(x: jax.Array) -> np.ndarray:
+  """x on the host; a global array whose shards live on other processes too (multi-host rows) is
+  gathered from every process first."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
 def check_finite(gen: "Generation", target, draft=None) -> "Generation":
   """gen, or NonFiniteLogitsError naming the model whose logits held NaN / inf (the target
   first). A host read of [B] flags, once per generation, after the loop."""
-  flags = np.asarray(gen.stats.nonfinite)
+  flags = host_value(gen.stats.nonfinite)
   for bit, model in ((TARGET, target), (DRAFT, draft)):
     rows = np.nonzero(flags & bit)[0].tolist()
     if rows:

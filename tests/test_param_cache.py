@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from specjax import testing
+from specjax.api import loading
 from specjax.app import builders, resolve
 from specjax.models import hf_import, param_cache
 from specjax.data.tokenizer import train_sentencepiece
@@ -39,7 +40,7 @@ def _load(path, layers="unrolled"):
 def test_the_second_load_maps_the_params_the_first_one_kept(cached_checkpoint, monkeypatch):
   path, _ = cached_checkpoint
   pending = []
-  monkeypatch.setattr(resolve, "_save_at_exit", lambda *a: pending.append(a))
+  monkeypatch.setattr(loading, "_save_at_exit", lambda *a: pending.append(a))
   first = _load(path)
   (out, params, role), = pending
   assert role == "target" and not param_cache.complete(out)
@@ -57,7 +58,7 @@ def test_the_second_load_maps_the_params_the_first_one_kept(cached_checkpoint, m
 def test_a_cache_of_another_layout_or_a_damaged_one_is_not_used(cached_checkpoint, monkeypatch):
   path, _ = cached_checkpoint
   pending = []
-  monkeypatch.setattr(resolve, "_save_at_exit", lambda *a: pending.append(a))
+  monkeypatch.setattr(loading, "_save_at_exit", lambda *a: pending.append(a))
   _load(path, layers="unrolled")
   out, params, _ = pending.pop()
   param_cache.save(params, out)
@@ -72,9 +73,9 @@ def test_a_cache_of_another_layout_or_a_damaged_one_is_not_used(cached_checkpoin
 
 def test_checkpoints_outside_the_cache_are_not_copied(tmp_path, monkeypatch):
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
-  assert resolve._param_cache_dir(tmp_path / "elsewhere", "float32", False) is None
+  assert loading._param_cache_dir(tmp_path / "elsewhere", "float32", False) is None
   monkeypatch.setenv("SPECJAX_PARAM_CACHE", "0")
-  assert resolve._param_cache_dir(tmp_path / "cache" / "gguf" / "x", "float32", False) is None
+  assert loading._param_cache_dir(tmp_path / "cache" / "gguf" / "x", "float32", False) is None
 
 
 def test_a_partial_write_is_never_taken(tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import ml_collections as mlc
 import pytest
 
+from specjax.api import loading
 from specjax.app import builders, resolve, sprinter_train, zoo
 from specjax.app.config import ConfigError, load_config
 
@@ -35,7 +36,7 @@ def test_a_task_without_a_source_is_refused_before_any_model(tmp_path, monkeypat
 
 
 def test_a_tokenizer_named_by_checkpoint_resolves_to_its_directory(monkeypatch):
-  monkeypatch.setattr(resolve.zoo, "ensure", lambda name: Path("/pairs") / name)
+  monkeypatch.setitem(loading.PAIR_SOURCES, "builtin", lambda name: Path("/pairs") / name)
   seen = []
 
   class Source:

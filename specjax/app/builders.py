@@ -18,12 +18,12 @@ import jax
 
 from specjax import checkpoint as ckpt_lib
 from specjax.acceptance import registry
+from specjax.api.methods import DecodeSettings
 from specjax.app.config import ConfigError
 from specjax.distill import data as distill_data
 from specjax.distill.trainer import TrainConfig
 from specjax.models import decoder, t5
 from specjax.models import layers as model_layers
-from specjax.sampling import Warp
 
 
 def typed(cls, values: Mapping[str, Any], where: str, **fixed):
@@ -115,49 +115,6 @@ def section(config, name: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------- decoding
-
-MAX_SEED = 2**32 - 1
-TRUNCATE = ("", "left")
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeSettings:
-  """The `decode` section."""
-  gamma: int = 4                 # draft tokens per block
-  max_new_tokens: int = 64
-  temperature: float = 1.0       # 0: greedy
-  top_k: int = 0
-  top_p: float = 1.0
-  seed: int = 0
-  max_len: int = 0               # cache size of both models (T5: and encoder); 0: just enough
-  batch_size: int = 1
-  lookbehind: int = 10           # string-level rules: tokens re-encoded behind a draft
-  chat: bool = False             # prompts wrapped in the target tokenizer's chat template
-  truncate: str = ""             # "": refuse a prompt the cache cannot hold; "left": keep its end
-  stop: tuple[str, ...] | str = ()   # stop strings: a row ends where one appears (text cut before)
-  stream: bool = True            # print text as it is generated (batch_size 1, one device)
-
-  def __post_init__(self):
-    if isinstance(self.stop, str):
-      object.__setattr__(self, "stop", (self.stop,))
-    if any(not s for s in self.stop):
-      raise ValueError(f"stop={self.stop!r}: a stop string must not be empty")
-    at_least = dict(gamma=1, max_new_tokens=1, batch_size=1, max_len=0, lookbehind=0)
-    for name, low in at_least.items():
-      if getattr(self, name) < low:
-        raise ValueError(f"{name}={getattr(self, name)} must be >= {low}")
-    if not 0 <= self.seed <= MAX_SEED:
-      raise ValueError(f"seed={self.seed} is out of range: use an integer in [0, {MAX_SEED}] "
-                       f"(PRNG keys hold 32 bits; larger seeds would repeat smaller ones)")
-    if self.truncate not in TRUNCATE:
-      raise ValueError(f"truncate={self.truncate!r}: use '' (refuse prompts that do not fit) or "
-                       f"'left' (keep the last tokens that fit)")
-    Warp(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)   # refused now
-
-  @property
-  def warp(self) -> Warp:
-    return Warp(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-
 
 def decode_settings(config) -> DecodeSettings:
   return typed(DecodeSettings, section(config, "decode"), "decode")

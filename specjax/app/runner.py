@@ -7,34 +7,12 @@ import time
 from typing import Callable
 
 import jax
-import numpy as np
 
-from specjax.app import builders, methods, resolve, streaming, timing
-from specjax.decoding.state import STAT_FIELDS as SPEC_FIELDS
-from specjax.sprinter.loop import EXTRA_FIELDS
+from specjax.app import builders, methods, resolve
+from specjax.api import decoder, timing
+from specjax.api.results import aggregate, stats_rows  # noqa: F401  (for the eval tools)
 
 log = logging.getLogger(__name__)
-
-STAT_FIELDS = SPEC_FIELDS + EXTRA_FIELDS
-
-
-def stats_rows(stats, batch: int) -> list[dict]:
-  """Per-row statistics dicts of a Generation's stats (every field the method reports)."""
-  if stats is None:
-    return [{} for _ in range(batch)]
-  arrays = {f: np.asarray(getattr(stats, f)) for f in STAT_FIELDS if hasattr(stats, f)}
-  return [{f: int(a[i]) for f, a in arrays.items()} for i in range(batch)]
-
-
-def aggregate(rows: list[dict]) -> dict:
-  """Summed counters plus acceptance_rate (alpha) and block_efficiency (tau)."""
-  total = {f: sum(r.get(f, 0) for r in rows) for f in STAT_FIELDS if any(f in r for r in rows)}
-  if total.get("verified"):
-    total["acceptance_rate"] = total["accepted"] / total["verified"]
-  if total.get("blocks"):
-    total["block_efficiency"] = total["emitted"] / total["blocks"]
-  return total
-
 
 class Interrupted(KeyboardInterrupt):
   """Ctrl-C during a generation: `rows` are the prompts finished before it (the batch in flight
@@ -47,37 +25,35 @@ class Interrupted(KeyboardInterrupt):
 
 def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: int = 16,
                    pad_batches: bool = True, show: Callable[[str], None] | None = None):
-  """Decode `prompts` (in the chat template with decode.chat) in batches; returns [(prompt,
-  generated ids, text, per-row stats)], each prompt as given, each text cut at its EOS and at the
-  first of decode.stop.
+  """Decode `prompts` (in the chat template with decode.chat) in batches through the API's
+  decoder.batches (prompt i draws with fold_in(key, i)); returns [(prompt, generated ids, text,
+  per-row stats)], each prompt as given, each text cut at its EOS and at the first of
+  decode.stop.
   pad_batches: the last batch is filled with repeats of its last prompt, so that every batch
   has one shape (the eval tools); rows past the prompts are dropped.
   show: each prompt's header and text go to show(str) as soon as its batch is done, or as it is
-  generated (streaming: batches of one row, a method that streams, one device)."""
-  texts = formatted(method, prompts)
-  out = []
+  generated (streaming: batches of one row, a method that streams, one device).
+  Ctrl-C raises Interrupted with the prompts finished before it."""
+  if method.settings.batch_size != batch_size:
+    method = method.with_settings(batch_size=batch_size)
   log.info("decoding %d prompt(s) with %s (the first batch of each shape compiles first) ...",
            len(prompts), method.label)
   live = show is not None and batch_size == 1 and method.streams and method.mesh is None
+  stream = (lambda _, text: show(text)) if live else None
+  done = decoder.batches(method, formatted(method, prompts), key, stream=stream,
+                         pad_batches=pad_batches)
+  out = []
   for start in range(0, len(prompts), batch_size):
-    chunk = texts[start:start + batch_size]
-    n = len(chunk)
-    if pad_batches:
-      chunk = chunk + [chunk[-1]] * (batch_size - n)
-    streamer = None
-    if method.streams and method.mesh is None and (live or method.settings.stop):
-      streamer = streaming.Streamer(method.target.tokenizer, len(chunk), method.settings.stop,
-                                    (lambda _, text: show(text)) if live else None)
     if live:
       show(f"> {prompts[start]}\n")
     try:
-      gen = method.generate(method.prepare(chunk), jax.random.fold_in(key, start), streamer)
+      _, rows = next(done)
     except KeyboardInterrupt:
       raise Interrupted(out) from None
-    rows = list(zip(prompts[start:start + n], method.texts(gen), stats_rows(gen.stats, len(chunk))))
-    for p, (_, text), _ in rows if show is not None else ():
-      show(text[streamer.rows[0].shown:] + "\n\n" if live else f"> {p}\n{text}\n\n")
-    out += [(p, ids, text, st) for p, (ids, text), st in rows]
+    for p, (ids, text, st) in zip(prompts[start:start + batch_size], rows):
+      if show is not None:
+        show("\n\n" if live else f"> {p}\n{text}\n\n")
+      out.append((p, ids, text, st))
   return out
 
 

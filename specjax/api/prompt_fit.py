@@ -29,6 +29,7 @@ class Room:
   per_token: int = 1             # cache positions one new token may take
   fixed: int = 0                 # positions beyond the new tokens (a verify block)
   fixed_from: str = ""           # "gamma 4"
+  prefix: str = "--config.decode."   # how messages name the settings ("": Python arguments)
 
   @property
   def reserved(self) -> int:
@@ -67,14 +68,14 @@ class PromptTooLongError(ValueError):
     fixes = []
     if room.longest >= keep_at_least:
       fixes = ["shorten the prompt",
-               f"pass --config.decode.truncate=left (keeps its last {room.longest} tokens)"]
+               f"pass {room.prefix}truncate=left (keeps its last {room.longest} tokens)"]
     most = room.largest_max_new_tokens(tokens)
     if most is not None and most >= 1:
-      fixes.append(f"lower --config.decode.max_new_tokens (at most {most} for this prompt)")
+      fixes.append(f"lower {room.prefix}max_new_tokens (at most {most} for this prompt)")
     gamma = room.largest_gamma(tokens)
     if gamma is not None and 1 <= gamma < room.fixed:
-      fixes.append(f"lower --config.decode.gamma (at most {gamma} for this prompt)")
-    if room.limit_from.startswith("--config"):
+      fixes.append(f"lower {room.prefix}gamma (at most {gamma} for this prompt)")
+    if room.limit_from == f"{room.prefix}max_len":
       fixes.append(f"raise {room.limit_from}")
     elif most is not None and most < 1 and not (gamma is not None and gamma >= 1):
       fixes.append("use a model with a longer position table")

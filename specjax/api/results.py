@@ -1,0 +1,46 @@
+"""What a generation returns to Python: texts, generated ids and statistics per row and in all."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specjax.decoding.state import STAT_FIELDS as SPEC_FIELDS
+from specjax.sprinter.loop import EXTRA_FIELDS
+
+STAT_FIELDS = SPEC_FIELDS + EXTRA_FIELDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """One `generate` call's output, in the order of its prompts.
+
+  texts: the generated text per prompt (without the prompt), cut at its end-of-sequence token
+  and before the first stop string. tokens: the generated ids per prompt (without the prompt).
+  stats: counters summed over the prompts (emitted, accepted, verified, blocks, target_passes,
+  draft_passes, ... as the method reports them) with acceptance_rate (alpha, accepted over
+  verified) and block_efficiency (tau, emitted tokens per block) where they apply.
+  row_stats: the counters of each prompt."""
+  texts: list[str]
+  tokens: list[list[int]]
+  stats: dict
+  row_stats: list[dict]
+
+
+def stats_rows(stats, batch: int) -> list[dict]:
+  """Per-row statistics dicts of a Generation's stats (every field the method reports)."""
+  if stats is None:
+    return [{} for _ in range(batch)]
+  arrays = {f: np.asarray(getattr(stats, f)) for f in STAT_FIELDS if hasattr(stats, f)}
+  return [{f: int(a[i]) for f, a in arrays.items()} for i in range(batch)]
+
+
+def aggregate(rows: list[dict]) -> dict:
+  """Summed counters plus acceptance_rate (alpha) and block_efficiency (tau)."""
+  total = {f: sum(r.get(f, 0) for r in rows) for f in STAT_FIELDS if any(f in r for r in rows)}
+  if total.get("verified"):
+    total["acceptance_rate"] = total["accepted"] / total["verified"]
+  if total.get("blocks"):
+    total["block_efficiency"] = total["emitted"] / total["blocks"]
+  return total

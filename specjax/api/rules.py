@@ -1,0 +1,78 @@
+"""Acceptance rules as the API takes them: a registered name with its hyperparameters, or a rule
+object; what a rule needs from the two models (a cross-vocabulary map) is built here, and a
+same-vocabulary rule with a draft on another tokenizer is refused, never switched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specjax.acceptance import registry, vocab
+from specjax.acceptance.base import Rule
+from specjax.api.errors import UsageError
+from specjax.api.loading import LoadedModel
+from specjax.api.methods import check_same_vocabulary
+
+BUILT = ("vocab",)            # rule fields built from the models, never passed by the user
+_VOCAB_MAPS: dict[tuple, vocab.VocabMap] = {}
+
+
+def hyperparameters(cls: type) -> list[str]:
+  """The fields of a rule class that a user sets (`eps` of lenient, `tau` of fuzzy, ...)."""
+  return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in BUILT]
+
+
+def rule_class(name: str) -> type:
+  """The acceptance rule registered as `name`, or a UsageError listing the known ones."""
+  try:
+    return registry.rule_class(name)
+  except registry.UnknownRuleError as err:
+    raise UsageError(f"unknown rule {name!r}: acceptance rules are {', '.join(err.known)}; "
+                     f"decoding methods with a draft are sprinter, slem and slrs") from None
+
+
+def make(rule: str | Rule, args: dict, target: LoadedModel, draft: LoadedModel) -> Rule:
+  """A rule object for this target and draft: `rule` by name with `args` as its
+  hyperparameters, or a rule object (then args must be empty); a cross-vocabulary rule gets the
+  vocabulary map of the two tokenizers (built once per pair of tokenizers)."""
+  if isinstance(rule, Rule):
+    if args:
+      raise UsageError(f"rule={rule!r} is a rule object: set its hyperparameters on it, not as "
+                       f"arguments ({', '.join(sorted(args))})")
+    cls, values = type(rule), {}
+  else:
+    cls = rule_class(rule)
+    known = hyperparameters(cls)
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+      raise UsageError(f"rule {rule!r} takes no argument {', '.join(unknown)}; its "
+                       f"hyperparameters are {', '.join(known) or '(none)'}")
+    values = args
+  fixed = fixed_args(cls.rule_name, target, draft)
+  try:
+    if isinstance(rule, Rule):
+      return dataclasses.replace(rule, **fixed) if fixed else rule
+    return cls(**values, **fixed)
+  except (TypeError, ValueError) as err:
+    raise UsageError(f"rule {cls.rule_name!r}: {err}") from None
+
+
+def fixed_args(name: str, target: LoadedModel, draft: LoadedModel,
+               rule_flag: str = "rule") -> dict:
+  """The rule's fields built from the two models: {} for same-vocabulary rules (after checking
+  that the draft's tokenizer gives the target's ids), {"vocab": VocabMap} for the others."""
+  if registry.rule_class(name).needs_same_vocab:
+    check_same_vocabulary(target, draft, f"{rule_flag}={name}", rule_flag)
+    return {}
+  return {"vocab": vocab_map(target, draft)}
+
+
+def vocab_map(target: LoadedModel, draft: LoadedModel) -> vocab.VocabMap:
+  """The VocabMap between the two models' tokenizers and logits widths, built once per process
+  for each pair (keyed by what decides the ids: the tokenizers' fingerprints)."""
+  key = (target.tokenizer.fingerprint, draft.tokenizer.fingerprint, target.model.vocab_size,
+         draft.model.vocab_size)
+  if key not in _VOCAB_MAPS:
+    _VOCAB_MAPS[key] = vocab.build(target.tokenizer, draft.tokenizer,
+                                   target_width=target.model.vocab_size,
+                                   draft_width=draft.model.vocab_size)
+  return _VOCAB_MAPS[key]

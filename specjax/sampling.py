@@ -15,12 +15,18 @@ import jax
 import jax.numpy as jnp
 
 
+@jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Warp:
   """How logits become the sampling distribution; applied identically to target and draft.
 
   temperature 0 means greedy: a one-hot argmax distribution (log-prob 0 at the argmax, -inf
   elsewhere), so that ratio tests and residuals need no special case. top_k 0 and top_p 1 are off.
+
+  A pytree: temperature and top_p are its leaves, so the decoding loops take a Warp as a traced
+  argument and another temperature or top_p reuses the compiled program. What changes the
+  program is static (the tree's aux data): greedy or not, top_p on or off, and top_k itself
+  (lax.top_k needs a static k; a traced one would sort the whole vocabulary at every step).
   """
   temperature: float = 1.0
   top_k: int = 0
@@ -33,10 +39,27 @@ class Warp:
       raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+    # One dtype per leaf whatever the caller passed (1 or 1.0): one compiled program for both.
+    object.__setattr__(self, "temperature", float(self.temperature))
+    object.__setattr__(self, "top_k", int(self.top_k))
+    object.__setattr__(self, "top_p", float(self.top_p))
+    object.__setattr__(self, "_static", (self.temperature == 0, self.top_k, self.top_p < 1))
+
+  def tree_flatten(self):
+    return (self.temperature, self.top_p), self._static
+
+  @classmethod
+  def tree_unflatten(cls, static, leaves):
+    warp = object.__new__(cls)           # traced leaves: no checks (they were made on the host)
+    object.__setattr__(warp, "temperature", leaves[0])
+    object.__setattr__(warp, "top_k", static[1])
+    object.__setattr__(warp, "top_p", leaves[1])
+    object.__setattr__(warp, "_static", static)
+    return warp
 
   @property
   def greedy(self) -> bool:
-    return self.temperature == 0
+    return self._static[0]
 
   def log_probs(self, logits: jax.Array) -> jax.Array:
     """logits [..., V] -> warped float32 log-probs [..., V] (-inf outside the kept set, no NaN)."""
@@ -48,7 +71,7 @@ class Warp:
     if 0 < self.top_k < vocab:
       kth = jax.lax.top_k(z, self.top_k)[0][..., -1:]                 # [..., 1]
       z = jnp.where(z < kth, -jnp.inf, z)
-    if self.top_p < 1:
+    if self._static[2]:                                                   # top_p < 1
       z = _top_p_mask(z, self.top_p)
     return jax.nn.log_softmax(z, axis=-1)
 

@@ -191,3 +191,13 @@ def test_a_prompt_the_cache_cannot_hold_names_the_arguments_to_change(models):
                      ) as err:
     specjax.generate(models["target"], ["x = 1\n" * 16], max_new_tokens=100)
   assert "--config" not in str(err.value) and "truncate=left" in str(err.value)
+
+
+def test_temperature_and_top_p_are_traced_not_compiled_in(models):
+  decoder = specjax.SpeculativeDecoder(models["target"], models["draft"], rule="exact")
+  first = decoder.generate(PROMPTS[:2], max_new_tokens=8, temperature=0.7, top_p=0.9)
+  clock = timing.clock()
+  before = clock.seconds()
+  other = decoder.generate(PROMPTS[:2], max_new_tokens=8, temperature=1.3, top_p=0.5)
+  assert clock.seconds() == before                  # the same compiled loop ...
+  assert other.tokens != first.tokens               # ... with the new values in it

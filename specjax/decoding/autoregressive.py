@@ -77,29 +77,33 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, "prompt + max_new_tokens")
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
-  setup = Setup(model, warp, stop_ids(eos_id), max_new_tokens, max_len, mesh)
+  # The warp is a traced argument, not part of the static setup: another temperature or top_p
+  # reuses the compiled loop (sampling.Warp).
+  setup = Setup(model, None, stop_ids(eos_id), max_new_tokens, max_len, mesh)
   if mesh is not None:
     if on_chunk is not None:
       raise ValueError("on_chunk steps the loop from the host on one device: leave mesh unset")
-    gen = sharded.generate(loop, setup, (model,), (params,), (prompt,), keys, max_new_tokens)
+    gen = sharded.generate(loop, setup, (model,), (params,), (prompt,), keys, max_new_tokens,
+                           warp)
   elif on_chunk is not None:
-    state = drive(_init_jit(setup, params, prompt, keys),
-                  lambda s: _chunk_jit(setup, params, s, chunk_blocks), on_chunk)
+    state = drive(_init_jit(setup, params, prompt, keys, warp),
+                  lambda s: _chunk_jit(setup, params, s, chunk_blocks, warp), on_chunk)
     gen = finish(state, max_new_tokens)
   else:
-    gen = finish(_run(setup, params, prompt, keys), max_new_tokens)
+    gen = finish(_run(setup, params, prompt, keys, warp), max_new_tokens)
   return check_finite(gen, model)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _run(setup: Setup, params, prompt, keys) -> SpecState:
-  return loop(setup, (params,), (prompt,), keys)
+def _run(setup: Setup, params, prompt, keys, warp: sampling.Warp) -> SpecState:
+  return loop(setup, (params,), (prompt,), keys, warp)
 
 
-def loop(setup: Setup, params, prompts, keys) -> SpecState:
+def loop(setup: Setup, params, prompts, keys, warp: sampling.Warp) -> SpecState:
   """`_run` before jit (decoding/sharded.py jits it with explicit shardings): params = (the
   model's,), prompts = (its prompt,). With setup.mesh the state is pinned every step."""
   (params,), (prompt,) = params, prompts
+  setup = dataclasses.replace(setup, warp=warp)
   model, warp, eos, max_new = setup.model, setup.warp, setup.eos, setup.max_new
   state = _init(setup, params, prompt, keys)
   step = functools.partial(_step, model, warp, eos, max_new, params)
@@ -141,10 +145,13 @@ def _step(model, warp, eos, max_new, params, s: SpecState) -> SpecState:
       .flag(TARGET, live & nonfinite_rows(logits)))
 
 
-_init_jit = jax.jit(_init, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
+def _init_jit(setup: Setup, params, prompt, keys, warp: sampling.Warp) -> SpecState:
+  return _init(dataclasses.replace(setup, warp=warp), params, prompt, keys)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
-def _chunk_jit(setup: Setup, params, state: SpecState, steps: int) -> SpecState:
-  step = functools.partial(_step, setup.model, setup.warp, setup.eos, setup.max_new, params)
+def _chunk_jit(setup: Setup, params, state: SpecState, steps: int,
+               warp: sampling.Warp) -> SpecState:
+  step = functools.partial(_step, setup.model, warp, setup.eos, setup.max_new, params)
   return chunk_loop(step, state, steps)

@@ -121,6 +121,12 @@ def place_args(models, params, prompts, keys, mesh):
   return placed, _place_rows(prompts, mesh), _place_rows(keys, mesh)
 
 
+def place_shared(tree, mesh):
+  """Arguments every device reads whole (the warp's temperature and top_p), replicated."""
+  return jax.tree_util.tree_map(
+      lambda x: sharding.place(jnp.asarray(x), sharding.replicated(mesh)), tree)
+
+
 def jitted(loop: Callable, setup, args) -> Callable:
   """`loop(setup, *args)` jitted with in_shardings = the args' placements and out_shardings =
   the state's shardings (cached per setup and argument signature)."""
@@ -147,14 +153,17 @@ def _gatherer(mesh, max_new: int, rows: int) -> Callable:
   return jax.jit(cut, out_shardings=sharding.replicated(mesh))
 
 
-def generate(loop: Callable, setup, models, params, prompts, keys, max_new: int) -> Generation:
-  """Run `loop(setup, params, prompts, keys) -> state` on setup.mesh; models[0] is the target.
-  Returns the Generation of the real rows, replicated."""
+def generate(loop: Callable, setup, models, params, prompts, keys, max_new: int,
+             *shared) -> Generation:
+  """Run `loop(setup, params, prompts, keys, *shared) -> state` on setup.mesh; models[0] is the
+  target; `shared` (the warp) is replicated. Returns the Generation of the real rows,
+  replicated."""
   mesh = setup.mesh
   check_target(models[0], mesh)
   batch = keys.shape[0]
   rows = sharding.padded_batch(batch, mesh)
   args = place_args(models, params, pad_rows(prompts, rows), pad_rows(keys, rows), mesh)
+  args += place_shared(shared, mesh)
   state = jitted(loop, setup, args)(*args)
   return _gatherer(mesh, max_new, batch)(state)
 

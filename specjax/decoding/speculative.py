@@ -81,7 +81,9 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   """
   setup = _validate(target, draft, prompt, draft_prompt, rule=rule, gamma=gamma,
                     max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
-  setup = dataclasses.replace(setup, mesh=mesh)
+  # The warp is a traced argument, not part of the static setup: another temperature or top_p
+  # reuses the compiled loop (sampling.Warp).
+  setup = dataclasses.replace(setup, mesh=mesh, warp=None)
   draft_prompt = prompt if draft_prompt is None else draft_prompt
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
   if mesh is not None:
@@ -89,13 +91,13 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
       raise ValueError("debug=True and on_chunk step the loop from the host on one device: "
                        "leave mesh unset")
     gen = sharded.generate(loop, setup, (target, draft), (target_params, draft_params),
-                           (prompt, draft_prompt), keys, max_new_tokens)
+                           (prompt, draft_prompt), keys, max_new_tokens, warp)
     return check_finite(gen, target, draft)
   if debug or on_chunk is not None:
-    state = _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys,
+    state = _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, warp,
                          on_chunk, 1 if debug else chunk_blocks)
   else:
-    state = run(setup, target_params, draft_params, prompt, draft_prompt, keys)
+    state = run(setup, target_params, draft_params, prompt, draft_prompt, keys, warp)
   return check_finite(finish(state, max_new_tokens), target, draft)
 
 
@@ -133,16 +135,17 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
 
 @functools.partial(jax.jit, static_argnums=0)
 def run(setup: Setup, target_params, draft_params, prompt: Prompt, draft_prompt: Prompt,
-        keys: jax.Array) -> SpecState:
+        keys: jax.Array, warp: sampling.Warp) -> SpecState:
   """The whole generation as one compiled call; returns the final SpecState (caches included)."""
-  return loop(setup, (target_params, draft_params), (prompt, draft_prompt), keys)
+  return loop(setup, (target_params, draft_params), (prompt, draft_prompt), keys, warp)
 
 
-def loop(setup: Setup, params, prompts, keys: jax.Array) -> SpecState:
+def loop(setup: Setup, params, prompts, keys: jax.Array, warp: sampling.Warp) -> SpecState:
   """`run` before jit (decoding/sharded.py jits it with explicit shardings): params = (target's,
   draft's), prompts = (target's, draft's). With setup.mesh the state is pinned to its shardings
   after the prefill and after every block."""
   (target_params, draft_params), (prompt, draft_prompt) = params, prompts
+  setup = dataclasses.replace(setup, warp=warp)
   state, anchors = init(setup, target_params, draft_params, prompt, draft_prompt, keys)
   step = functools.partial(block, setup, target_params, draft_params, anchors)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
@@ -150,13 +153,13 @@ def loop(setup: Setup, params, prompts, keys: jax.Array) -> SpecState:
                             sharded.pin(state, setup.mesh))
 
 
-def _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, on_chunk,
+def _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, warp, on_chunk,
                  blocks: int) -> SpecState:
   """The same init/block functions, one jitted call per chunk of `blocks` blocks with the state
   donated, driven by a host loop (state.drive): the state can be inspected between chunks. Under
   `with jax.disable_jit():` everything runs eagerly (breakpoints inside rules and models work)."""
-  state, anchors = _init_jit(setup, target_params, draft_params, prompt, draft_prompt, keys)
-  advance = lambda s: _chunk_jit(setup, target_params, draft_params, anchors, s, blocks)
+  state, anchors = _init_jit(setup, target_params, draft_params, prompt, draft_prompt, keys, warp)
+  advance = lambda s: _chunk_jit(setup, target_params, draft_params, anchors, s, blocks, warp)
   return drive(state, advance, on_chunk)
 
 
@@ -398,11 +401,16 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
       target_cache=kv_cache.rollback(s.target_cache, anchors.target_base + lengths - 1))
 
 
-_init_jit = jax.jit(init, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
+def _init_jit(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys,
+              warp: sampling.Warp):
+  return init(dataclasses.replace(setup, warp=warp), target_params, draft_params, prompt,
+              draft_prompt, keys)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)
 def _chunk_jit(setup: Setup, target_params, draft_params, anchors: Anchors, state: SpecState,
-               blocks: int) -> SpecState:
+               blocks: int, warp: sampling.Warp) -> SpecState:
+  setup = dataclasses.replace(setup, warp=warp)
   step = functools.partial(block, setup, target_params, draft_params, anchors)
   return chunk_loop(step, state, blocks)

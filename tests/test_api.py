@@ -201,3 +201,17 @@ def test_temperature_and_top_p_are_traced_not_compiled_in(models):
   other = decoder.generate(PROMPTS[:2], max_new_tokens=8, temperature=1.3, top_p=0.5)
   assert clock.seconds() == before                  # the same compiled loop ...
   assert other.tokens != first.tokens               # ... with the new values in it
+
+
+@pytest.mark.parametrize("rule,values", [("lenient", {"eps": (1.0, 0.05)}),
+                                         ("fuzzy", {"threshold": (0.0, 0.9)})])
+def test_rule_hyperparameters_are_traced_not_compiled_in(models, rule, values):
+  (name, (a, b)), = values.items()
+  first = specjax.generate(models["target"], PROMPTS[:2], draft=models["draft"], rule=rule,
+                           max_new_tokens=8, **{name: a})
+  clock = timing.clock()
+  before = clock.seconds()
+  other = specjax.generate(models["target"], PROMPTS[:2], draft=models["draft"], rule=rule,
+                           max_new_tokens=8, **{name: b})
+  assert clock.seconds() == before
+  assert other.stats["acceptance_rate"] > first.stats["acceptance_rate"]   # the value is used

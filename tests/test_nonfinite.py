@@ -109,13 +109,12 @@ def test_speculative_state_flags_the_draft_alone(models):
   setup = speculative._validate(target, draft, PROMPT, None, rule="exact", gamma=3,
                                 max_new_tokens=6, warp=sampling.Warp(), eos_id=None,
                                 max_len=None)
-  keys = sampling.as_row_keys(KEY, 2)
-  state = speculative.run(setup, tparams, _poisoned(dparams), PROMPT, PROMPT, keys, setup.warp)
+  keys, knobs = sampling.as_row_keys(KEY, 2), (setup.rule, setup.warp)
+  state = speculative.run(setup, tparams, _poisoned(dparams), PROMPT, PROMPT, keys, knobs)
   assert np.asarray(state.stats.nonfinite).tolist() == [DRAFT, DRAFT]
-  state = speculative.run(setup, tparams, dparams, PROMPT, PROMPT, keys, setup.warp)
+  state = speculative.run(setup, tparams, dparams, PROMPT, PROMPT, keys, knobs)
   assert np.asarray(state.stats.nonfinite).tolist() == [0, 0]
-  state = speculative.run(setup, _poisoned(tparams, np.inf), dparams, PROMPT, PROMPT, keys,
-                          setup.warp)
+  state = speculative.run(setup, _poisoned(tparams, np.inf), dparams, PROMPT, PROMPT, keys, knobs)
   assert np.asarray(state.stats.nonfinite).tolist() == [TARGET, TARGET]
 
 

@@ -31,6 +31,7 @@ The contract is declarative: the loop asks the rule, it never inspects it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, ClassVar
 
 import jax
@@ -46,6 +47,13 @@ class Rule:
   draft_image_width: ClassVar[int] = 1      # most draft tokens one target token can need
   variable_length: ClassVar[bool] = False   # drafts can stop early (keep_drafting / stop_after)
   rule_name: ClassVar[str] = ""             # set by registry.register
+  # Fields whose values the compiled loop takes as arguments (leaves of the rule's pytree), so that
+  # another value reuses the program; every other field is static (part of the jit cache key).
+  traced: ClassVar[tuple[str, ...]] = ()
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    jax.tree_util.register_pytree_node(cls, _flatten_rule, functools.partial(_unflatten_rule, cls))
 
   def init_state(self, batch: int) -> Any:
     del batch
@@ -184,3 +192,22 @@ def rejection_verify(draft_tokens: jax.Array, draft_len: jax.Array, q_logp: jax.
   fix = residual_log_probs(p_n, q_n) if residual else p_n
   next_token = sampling.categorical(jnp.where(rejected, fix, p_n), sample_keys)
   return n, next_token
+
+
+def _fields(cls) -> tuple[list[str], list[str]]:
+  """(traced field names, static field names) of a rule class."""
+  names = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+  return [n for n in names if n in cls.traced], [n for n in names if n not in cls.traced]
+
+
+def _flatten_rule(rule: Rule):
+  traced, static = _fields(type(rule))
+  return [getattr(rule, n) for n in traced], tuple(getattr(rule, n) for n in static)
+
+
+def _unflatten_rule(cls, static_values, leaves) -> Rule:
+  rule = object.__new__(cls)             # traced leaves: no checks (made on the host)
+  traced, static = _fields(cls)
+  for name, value in (*zip(static, static_values), *zip(traced, leaves)):
+    object.__setattr__(rule, name, value)
+  return rule

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,7 @@ class Fuzzy(base.Rule):
   inclusive: bool = False        # True: accept iff Div <= T (the authors' code); False: < (paper)
   sample_draft: bool = False
   mode: str = "divergence"
+  traced: ClassVar[tuple[str, ...]] = ("threshold",)   # a sweep over thresholds compiles once
 
   def __post_init__(self):
     object.__setattr__(self, "threshold", _as_thresholds(self.threshold))
@@ -88,7 +90,7 @@ class Fuzzy(base.Rule):
 
   def thresholds(self, batch: int) -> jax.Array:
     """[B] f32 per-row thresholds."""
-    if isinstance(self.threshold, float):
+    if not isinstance(self.threshold, tuple):      # one value (a float, or traced)
       return jnp.full((batch,), self.threshold, jnp.float32)
     if len(self.threshold) != batch:
       raise ValueError(f"fuzzy threshold has {len(self.threshold)} values for a batch of {batch} "

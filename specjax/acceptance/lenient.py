@@ -13,7 +13,7 @@ at p = 0.
 from __future__ import annotations
 
 import dataclasses
-import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +27,9 @@ KINDS = ("lin", "sq", "exp")
 def log_lenience(log_p: jax.Array, kind: str, eps: float) -> jax.Array:
   """log f(p, eps) from log p (f32)."""
   if kind == "lin":
-    return log_p - jnp.float32(math.log(eps))
+    return log_p - jnp.log(jnp.float32(eps))
   if kind == "sq":
-    return log_p - jnp.float32(2.0 * math.log(eps))
+    return log_p - 2.0 * jnp.log(jnp.float32(eps))
   return jnp.float32(eps) * log_p
 
 
@@ -48,6 +48,7 @@ class Lenient(base.Rule):
   """DistillSpec's lossy SD. kind in {"lin", "sq", "exp"}, eps in (0, 1]."""
   eps: float = 1.0
   kind: str = "lin"
+  traced: ClassVar[tuple[str, ...]] = ("eps",)    # a sweep over eps compiles once
 
   def __post_init__(self):
     if self.kind not in KINDS:

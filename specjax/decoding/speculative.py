@@ -81,9 +81,10 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   """
   setup = _validate(target, draft, prompt, draft_prompt, rule=rule, gamma=gamma,
                     max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
-  # The warp is a traced argument, not part of the static setup: another temperature or top_p
-  # reuses the compiled loop (sampling.Warp).
-  setup = dataclasses.replace(setup, mesh=mesh, warp=None)
+  # The rule and the warp are traced arguments (`knobs`), not part of the static setup: another
+  # temperature, top_p or rule hyperparameter (Rule.traced) reuses the compiled loop.
+  knobs = (setup.rule, setup.warp)
+  setup = dataclasses.replace(setup, mesh=mesh, rule=None, warp=None)
   draft_prompt = prompt if draft_prompt is None else draft_prompt
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
   if mesh is not None:
@@ -91,13 +92,13 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
       raise ValueError("debug=True and on_chunk step the loop from the host on one device: "
                        "leave mesh unset")
     gen = sharded.generate(loop, setup, (target, draft), (target_params, draft_params),
-                           (prompt, draft_prompt), keys, max_new_tokens, warp)
+                           (prompt, draft_prompt), keys, max_new_tokens, knobs)
     return check_finite(gen, target, draft)
   if debug or on_chunk is not None:
-    state = _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, warp,
+    state = _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs,
                          on_chunk, 1 if debug else chunk_blocks)
   else:
-    state = run(setup, target_params, draft_params, prompt, draft_prompt, keys, warp)
+    state = run(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs)
   return check_finite(finish(state, max_new_tokens), target, draft)
 
 
@@ -135,17 +136,24 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
 
 @functools.partial(jax.jit, static_argnums=0)
 def run(setup: Setup, target_params, draft_params, prompt: Prompt, draft_prompt: Prompt,
-        keys: jax.Array, warp: sampling.Warp) -> SpecState:
-  """The whole generation as one compiled call; returns the final SpecState (caches included)."""
-  return loop(setup, (target_params, draft_params), (prompt, draft_prompt), keys, warp)
+        keys: jax.Array, knobs) -> SpecState:
+  """The whole generation as one compiled call; returns the final SpecState (caches included).
+  knobs: (rule, warp), traced (the setup's own are ignored)."""
+  return loop(setup, (target_params, draft_params), (prompt, draft_prompt), keys, knobs)
 
 
-def loop(setup: Setup, params, prompts, keys: jax.Array, warp: sampling.Warp) -> SpecState:
+def with_knobs(setup: Setup, knobs) -> Setup:
+  """The setup with the traced (rule, warp) of a compiled call in it."""
+  rule, warp = knobs
+  return dataclasses.replace(setup, rule=rule, warp=warp)
+
+
+def loop(setup: Setup, params, prompts, keys: jax.Array, knobs) -> SpecState:
   """`run` before jit (decoding/sharded.py jits it with explicit shardings): params = (target's,
   draft's), prompts = (target's, draft's). With setup.mesh the state is pinned to its shardings
   after the prefill and after every block."""
   (target_params, draft_params), (prompt, draft_prompt) = params, prompts
-  setup = dataclasses.replace(setup, warp=warp)
+  setup = with_knobs(setup, knobs)
   state, anchors = init(setup, target_params, draft_params, prompt, draft_prompt, keys)
   step = functools.partial(block, setup, target_params, draft_params, anchors)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
@@ -153,13 +161,13 @@ def loop(setup: Setup, params, prompts, keys: jax.Array, warp: sampling.Warp) ->
                             sharded.pin(state, setup.mesh))
 
 
-def _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, warp, on_chunk,
+def _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs, on_chunk,
                  blocks: int) -> SpecState:
   """The same init/block functions, one jitted call per chunk of `blocks` blocks with the state
   donated, driven by a host loop (state.drive): the state can be inspected between chunks. Under
   `with jax.disable_jit():` everything runs eagerly (breakpoints inside rules and models work)."""
-  state, anchors = _init_jit(setup, target_params, draft_params, prompt, draft_prompt, keys, warp)
-  advance = lambda s: _chunk_jit(setup, target_params, draft_params, anchors, s, blocks, warp)
+  state, anchors = _init_jit(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs)
+  advance = lambda s: _chunk_jit(setup, target_params, draft_params, anchors, s, blocks, knobs)
   return drive(state, advance, on_chunk)
 
 
@@ -402,15 +410,13 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _init_jit(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys,
-              warp: sampling.Warp):
-  return init(dataclasses.replace(setup, warp=warp), target_params, draft_params, prompt,
-              draft_prompt, keys)
+def _init_jit(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys, knobs):
+  return init(with_knobs(setup, knobs), target_params, draft_params, prompt, draft_prompt, keys)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)
 def _chunk_jit(setup: Setup, target_params, draft_params, anchors: Anchors, state: SpecState,
-               blocks: int, warp: sampling.Warp) -> SpecState:
-  setup = dataclasses.replace(setup, warp=warp)
+               blocks: int, knobs) -> SpecState:
+  setup = with_knobs(setup, knobs)
   step = functools.partial(block, setup, target_params, draft_params, anchors)
   return chunk_loop(step, state, blocks)

@@ -28,6 +28,7 @@ import jax
 from eval import flags, timing
 from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import input_paths, load_config
+from specjax.decoding import speculative
 from specjax.models import prompting
 
 
@@ -83,15 +84,15 @@ def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: i
   encoded = dec.prepare(prompts[:1])
   probe, draft_probe = encoded.target, encoded.draft
   gamma = dec.settings.gamma
-  cap = lambda model, p: (prompting.prefix_len(model, p) + dec.settings.max_new_tokens
-                          + gamma)                          # the cache size decoding uses
+  cap = lambda model, p, draft=False: speculative.reserve(dec.rule, gamma, draft).need(
+      prompting.prefix_len(model, p), dec.settings.max_new_tokens)   # the cache decoding uses
   target, draft = dec.target, dec.draft
   probes = {"t1": timing.step_loop(target.model, target.params, probe, 1,
                                    cap(target.model, probe), steps),
             "tv": timing.step_loop(target.model, target.params, probe, gamma + 1,
                                    cap(target.model, probe), steps),
             "d1": timing.step_loop(draft.model, draft.params, draft_probe, 1,
-                                   cap(draft.model, draft_probe), steps)}
+                                   cap(draft.model, draft_probe, draft=True), steps)}
   runs = time_decoding({"ar": dec.target_only(), "sd": dec}, prompts,
                        jax.random.PRNGKey(seed), repeats, probes=probes)
   ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]

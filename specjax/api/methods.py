@@ -25,7 +25,7 @@ from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.data import tokenizer as tokenizer_lib
 from specjax.decoding import autoregressive, sharded, speculative, string_level
-from specjax.decoding.state import Generation
+from specjax.decoding.state import Generation, Reserve
 from specjax.models import prompting
 from specjax.models.prompting import Prompt
 from specjax import sampling
@@ -33,6 +33,7 @@ from specjax.sampling import Warp
 from specjax.sprinter import loop as sprinter_loop
 
 _METHODS: dict[str, type] = {}
+_NONE = Reserve(per_token=0, fixed=0)      # a T5 prompt: in the encoder, not the cache
 
 
 def register(*names: str):
@@ -143,10 +144,10 @@ class Method:
     limit = self.cache_limit(loaded)
     if limit is None:
       return None
-    per_token, fixed, fixed_from = self.reserve(loaded)
+    room = self.reserve(loaded)
     return prompt_fit.Room(model=self.role(loaded), limit=limit[0], limit_from=limit[1],
-                           max_new_tokens=self.settings.max_new_tokens, per_token=per_token,
-                           fixed=fixed, fixed_from=fixed_from, prefix=self.arg_prefix)
+                           max_new_tokens=self.settings.max_new_tokens, per_token=room.per_token,
+                           fixed=room.fixed, fixed_from=room.what, prefix=self.arg_prefix)
 
   def cache_limit(self, loaded: LoadedModel) -> tuple[int, str] | None:
     """(positions, where the number comes from): decode.max_len, else the smallest position
@@ -161,10 +162,10 @@ class Method:
     n, owner = min(tables, key=lambda t: (t[0], t[1] is not loaded))   # a tie names its own
     return n, "its n_positions" if owner is loaded else f"{self.role(owner)}'s n_positions"
 
-  def reserve(self, loaded: LoadedModel) -> tuple[int, int, str]:
-    """Cache positions decoding takes after a prompt in `loaded`'s cache: (per new token,
-    fixed, what the fixed ones are); a T5 prompt lives in the encoder and takes none of them."""
-    return (0, 0, "") if loaded.model.is_encoder_decoder else (1, 0, "")
+  def reserve(self, loaded: LoadedModel) -> Reserve:
+    """Cache positions decoding takes after a prompt in `loaded`'s cache (the loop's own
+    reserve); a T5 prompt lives in the encoder and takes none of them."""
+    return _NONE if loaded.model.is_encoder_decoder else autoregressive.RESERVE
 
   def models(self) -> list[LoadedModel]:
     return [m for m in (self.target, self.draft_model) if m is not None]
@@ -279,13 +280,10 @@ class Speculative(Method):
   def label(self) -> str:
     return self.rule.rule_name
 
-  def reserve(self, loaded: LoadedModel) -> tuple[int, int, str]:
-    """New tokens (a draft on another tokenizer: up to draft_image_width draft tokens each) and
-    one verify block of gamma (decoding/speculative.py sizes the caches so)."""
+  def reserve(self, loaded: LoadedModel) -> Reserve:
     if loaded.model.is_encoder_decoder:
-      return 0, 0, ""
-    per_token = self.rule.draft_image_width if loaded is self.draft else 1
-    return per_token, self.settings.gamma, f"gamma {self.settings.gamma}"
+      return _NONE
+    return speculative.reserve(self.rule, self.settings.gamma, draft=loaded is self.draft)
 
   def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
     s = self.settings
@@ -327,12 +325,10 @@ class Sprinter(Method):
   gamma_max: int = 8
   name: ClassVar[str] = "sprinter"
 
-  def reserve(self, loaded: LoadedModel) -> tuple[int, int, str]:
-    """New tokens and one target chunk of up to gamma_max + 1 (sprinter/loop.py)."""
+  def reserve(self, loaded: LoadedModel) -> Reserve:
     if loaded.model.is_encoder_decoder:
-      return 0, 0, ""
-    chunk = min(self.gamma_max, self.settings.max_new_tokens - 1) + 1
-    return 1, chunk, f"a target chunk of gamma_max + 1 = {chunk}"
+      return _NONE
+    return sprinter_loop.reserve(self.gamma_max, self.settings.max_new_tokens)
 
   def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
     _no_streaming(self, on_chunk)
@@ -362,10 +358,8 @@ class StringLevel(Method):
   def label(self) -> str:
     return self.method
 
-  def reserve(self, loaded: LoadedModel) -> tuple[int, int, str]:
-    """New tokens and a block of gamma + 1 (string_level.py grows its caches past this where the
-    position table allows)."""
-    return 1, self.settings.gamma + 1, f"gamma {self.settings.gamma} + 1"
+  def reserve(self, loaded: LoadedModel) -> Reserve:
+    return string_level.reserve(self.settings.gamma)
 
   def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
     _no_streaming(self, on_chunk)

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from specjax import sampling
 from specjax.decoding import sharded
 from specjax.decoding.state import (TARGET, Generation, SpecState, SpecStats, check_finite, finish,
-                                    OnChunk, chunk_loop, drive, is_stop, nonfinite_rows,
-                                    stop_ids, write_rows)
+                                    OnChunk, Reserve, chunk_loop, drive, is_stop,
+                                    nonfinite_rows, stop_ids, write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -49,6 +49,10 @@ def stream_anchor(model, prompt: Prompt) -> jax.Array:
   return jnp.take_along_axis(prompt.tokens, last, axis=1)[:, 0].astype(jnp.int32)
 
 
+# One position per new token (a done row still extends by one: its write is dropped).
+RESERVE = Reserve(per_token=1, fixed=0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """Everything static about one generation (the jit cache key)."""
@@ -73,7 +77,7 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   tokens sampled from them).
   """
   check_lengths(max_new_tokens, prompt)
-  need = prompting.prefix_len(model, prompt) + max_new_tokens      # done rows still extend by one
+  need = RESERVE.need(prompting.prefix_len(model, prompt), max_new_tokens)
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, "prompt + max_new_tokens")
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])

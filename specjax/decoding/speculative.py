@@ -34,8 +34,8 @@ from specjax.acceptance import base, registry
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
 from specjax.decoding.state import (DRAFT, TARGET, Generation, SpecState, SpecStats,
-                                    OnChunk, check_finite, chunk_loop, drive, finish, is_stop,
-                                    nonfinite_rows, stop_ids, write_rows)
+                                    OnChunk, Reserve, check_finite, chunk_loop, drive, finish,
+                                    is_stop, nonfinite_rows, stop_ids, write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -122,16 +122,22 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
   if dprompt.tokens.shape[0] != prompt.tokens.shape[0]:
     raise ValueError(f"draft_prompt has {dprompt.tokens.shape[0]} rows, prompt has "
                      f"{prompt.tokens.shape[0]}: they must describe the same batch")
-  # A block writes gamma+1 target entries after base+g-1 committed ones, and rows that are done
-  # (g == max_new) are still computed: base + max_new + gamma covers every write of both models.
-  # A draft with another vocabulary may need up to `width` draft tokens per committed token.
-  width = rule.draft_image_width
-  need = max(prompting.prefix_len(target, prompt) + max_new_tokens,
-             prompting.prefix_len(draft, dprompt) + max_new_tokens * width) + gamma
+  need = max(reserve(rule, gamma).need(prompting.prefix_len(target, prompt), max_new_tokens),
+             reserve(rule, gamma, draft=True).need(prompting.prefix_len(draft, dprompt),
+                                                   max_new_tokens))
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
   return Setup(target=target, draft=draft, rule=rule, gamma=gamma, max_new=max_new_tokens,
                warp=warp, eos=stop_ids(eos_id), max_len=max_len)
+
+
+def reserve(rule: base.Rule, gamma: int, draft: bool = False) -> Reserve:
+  """A block writes gamma + 1 target entries after base + g - 1 committed ones, and rows that
+  are done (g == max_new) are still computed: max_new + gamma covers every write of both models.
+  A draft with another vocabulary may need up to rule.draft_image_width draft tokens per
+  committed token."""
+  return Reserve(per_token=rule.draft_image_width if draft else 1, fixed=gamma,
+                 what=f"gamma {gamma}")
 
 
 @functools.partial(jax.jit, static_argnums=0)

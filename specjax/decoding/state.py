@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
@@ -39,6 +40,21 @@ def nonfinite_rows(logits: jax.Array) -> jax.Array:
   about half a boolean any() over the same logits (25 against 57 us at [1, 5, 32000])."""
   return ~(jnp.max(logits, axis=tuple(range(1, logits.ndim))) < jnp.inf)
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Reserve:
+  """The cache positions a loop takes in one model after its prompt: per_token * max_new_tokens
+  + fixed (`what` names the fixed ones in messages). The one formula for a loop's cache capacity:
+  each loop's `reserve(...)` says its numbers, and the loop, prompt fitting (api/prompt_fit.py)
+  and eval.latency all size caches by it."""
+  per_token: int = 1         # positions one new token may take (a cross-tokenizer draft: more)
+  fixed: int = 0             # positions beyond the new tokens (a verify block)
+  what: str = ""             # "gamma 4"
+
+  def need(self, prefix: int, max_new: int) -> int:
+    """Cache positions for a prompt prefix of `prefix` positions and max_new new tokens."""
+    return prefix + self.per_token * max_new + self.fixed
 
 @flax.struct.dataclass(kw_only=True)
 class SpecStats:

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling
-from specjax.decoding.state import (DRAFT, TARGET, SpecStats, check_finite, nonfinite_rows,
-                                    stop_ids)
+from specjax.decoding.state import (DRAFT, TARGET, Reserve, SpecStats, check_finite,
+                                    nonfinite_rows, stop_ids)
 from specjax.models import kv_cache, prompting
 
 MAX_CANDIDATES = 31          # a verify pass covers at most this many candidates (bucket 32)
@@ -467,6 +467,12 @@ def run(backend: Backend, target_tok, draft_tok, x_t: list[int], x_d: list[int],
     if on_round is not None:
       on_round(s)
   return s
+
+
+def reserve(gamma: int) -> Reserve:
+  """What a prompt must leave room for: new tokens and a block of gamma + 1 (the loop grows its
+  caches past this where the position tables allow)."""
+  return Reserve(per_token=1, fixed=gamma + 1, what=f"gamma {gamma} + 1")
 
 
 def generate(target, target_params, target_tok, draft, draft_params, draft_tok, x_t: list[int],

@@ -42,8 +42,8 @@ from specjax.acceptance import base
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
 from specjax.decoding.state import (DRAFT, STAT_FIELDS, TARGET, Generation, SpecStats,
-                                    check_finite, finish, is_stop, nonfinite_rows, stop_ids,
-                                    write_rows)
+                                    Reserve, check_finite, finish, is_stop, nonfinite_rows,
+                                    stop_ids, write_rows)
 from specjax.models import Prompt, prompting
 from specjax.models import kv_cache
 
@@ -148,6 +148,13 @@ def generate(target, target_params, draft, draft_params, verifier, verifier_para
   return check_finite(finish(state, max_new_tokens), target, draft)
 
 
+def reserve(gamma_max: int, max_new_tokens: int) -> Reserve:
+  """New tokens and one target chunk of up to gamma_max + 1 (a run of verifier accepts and the
+  token after it; never more than max_new_tokens)."""
+  width = min(gamma_max, max_new_tokens - 1) + 1
+  return Reserve(per_token=1, fixed=width, what=f"a target chunk of gamma_max + 1 = {width}")
+
+
 def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_tokens, warp,
               eos_id, max_len) -> Setup:
   """Host-side checks with actionable messages, before anything is traced."""
@@ -164,8 +171,10 @@ def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_
                      f"must be an integer >= 0 or None (no cap), got {gamma_max!r}")
   # run_len <= g <= max_new - 1 at any step, so a cap of max_new never binds.
   cap = max_new_tokens if gamma_max is None else min(int(gamma_max), max_new_tokens)
-  width = min(cap, max_new_tokens - 1) + 1
-  need = max(prompting.prefix_len(target, prompt), prompting.prefix_len(draft, prompt)) + max_new_tokens + width
+  room = reserve(cap, max_new_tokens)
+  width = room.fixed
+  need = room.need(max(prompting.prefix_len(target, prompt), prompting.prefix_len(draft, prompt)),
+                   max_new_tokens)
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma_max + 1 ({width})")
   return Setup(target=target, draft=draft, verifier=verifier, threshold=float(threshold),

@@ -215,3 +215,15 @@ def test_rule_hyperparameters_are_traced_not_compiled_in(models, rule, values):
                            max_new_tokens=8, **{name: b})
   assert clock.seconds() == before
   assert other.stats["acceptance_rate"] > first.stats["acceptance_rate"]   # the value is used
+
+
+def test_one_call_compiles_one_loop_whatever_its_prompt_lengths(models):
+  """Prompts of 2 and ~40 tokens (buckets 16 and 64) decoded one by one share one program: every
+  batch of a call is padded to the bucket of its longest prompt."""
+  before = speculative.run._cache_size()
+  out = specjax.generate(models["target"], ["x", "y = 1\n" * 8], draft=models["draft"],
+                         batch_size=1, max_new_tokens=7, temperature=0)
+  assert speculative.run._cache_size() - before == 1
+  alone = specjax.generate(models["target"], ["x"], draft=models["draft"], max_new_tokens=7,
+                           temperature=0)
+  assert out.tokens[0] == alone.tokens[0]           # the wider padding changes nothing

@@ -119,11 +119,13 @@ def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | N
             pad_batches: bool = False) -> Iterator[tuple[int, list[tuple[list[int], str, dict]]]]:
   """Decode `prompts` (texts, or id lists) in batches of method.settings.batch_size, lazily:
   yields (index of the batch's first prompt, [(generated ids, text, stats)] per prompt) as each
-  batch finishes. Prompt i draws with fold_in(key, i).
+  batch finishes. Prompt i draws with fold_in(key, i). Every batch is padded to the bucket of
+  the call's longest prompt, so that a call compiles one program per batch size.
   stream(i, text): prompt i's new text as it is committed (streaming methods on one device),
   the rest when its batch ends. pad_batches: the last batch is filled with repeats of its last
   prompt, so that every batch has one shape (the eval tools); the repeats are dropped."""
   size = method.settings.batch_size
+  widths = method.widths(prompts)           # one bucket per model for the whole call
   for start in range(0, len(prompts), size):
     chunk = list(prompts[start:start + size])
     n = len(chunk)
@@ -135,7 +137,7 @@ def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | N
     if method.streams and method.mesh is None and (show or method.settings.stop):
       streamer = streaming.Streamer(method.target.tokenizer, len(chunk), method.settings.stop,
                                     show)
-    gen = method.generate(method.prepare(chunk), keys, streamer)
+    gen = method.generate(method.prepare(chunk, widths), keys, streamer)
     texts = method.texts(gen)[:n]
     if show is not None:
       for b, (_, text) in enumerate(texts):

@@ -53,6 +53,7 @@ def method_class(name: str) -> type:
 
 
 MAX_SEED = 2**32 - 1
+MIN_BUCKET = 16            # the narrowest prompt bucket (models/prompting.bucket)
 TRUNCATE = ("", "left")
 
 
@@ -179,22 +180,41 @@ class Method:
     return prompting.encode(loaded.tokenizer, text,
                             encoder_decoder=loaded.model.is_encoder_decoder)
 
-  def encode(self, loaded: LoadedModel, texts) -> Prompt:
-    """Texts (or id lists, taken as they are) -> a bucketed Prompt for one model, every row
-    fitted to its cache (prompt_fit); the bucket is clipped to the room left in the cache."""
+  def encode(self, loaded: LoadedModel, texts, width: int = MIN_BUCKET) -> Prompt:
+    """Texts (or id lists, taken as they are) -> a Prompt for one model, every row fitted to its
+    cache (prompt_fit), padded to a bucket of at least `width` clipped to the cache's room."""
     encoder_decoder = loaded.model.is_encoder_decoder
-    rows = [prompting.encode(loaded.tokenizer, t, encoder_decoder=encoder_decoder)
-            if isinstance(t, str) else [int(i) for i in t] for t in texts]
+    rows = self._rows(loaded, texts)
     texts = [t if isinstance(t, str) else f"of ids {list(t)[:8]}" for t in texts]
     room = self.room(loaded)
     rows = prompt_fit.fit(rows, texts, room, truncate=self.settings.truncate,
                           encoder_decoder=encoder_decoder, bos=prompting.has_bos(loaded.tokenizer))
-    return prompting.batch(rows, loaded.tokenizer.pad_id, None if room is None else room.longest)
+    return prompting.batch(rows, loaded.tokenizer.pad_id, None if room is None else room.longest,
+                           minimum=width)
 
-  def prepare(self, texts) -> Prompts:
+  def _rows(self, loaded: LoadedModel, texts) -> list[list[int]]:
+    encoder_decoder = loaded.model.is_encoder_decoder
+    return [prompting.encode(loaded.tokenizer, t, encoder_decoder=encoder_decoder)
+            if isinstance(t, str) else [int(i) for i in t] for t in texts]
+
+  def widths(self, texts) -> tuple[int, ...]:
+    """Per model (target, then draft), the bucket of the longest of `texts` (at most the cache's
+    room): batches of one call padded to it share one compiled program, where their own
+    buckets would compile one per prompt length."""
+    out = []
+    for loaded in self.models():
+      room = self.room(loaded)
+      longest = max(len(r) for r in self._rows(loaded, texts))
+      out.append(prompting.bucket(longest if room is None else min(longest, max(room.longest, 1)),
+                                  None if room is None else max(room.longest, 1)))
+    return tuple(out)
+
+  def prepare(self, texts, widths: tuple[int, ...] = ()) -> Prompts:
+    """Texts -> every model's Prompt; widths: the least bucket per model (Method.widths)."""
     draft = self.draft_model
-    return Prompts(target=self.encode(self.target, texts),
-                   draft=None if draft is None else self.encode(draft, texts))
+    target_w, draft_w = (tuple(widths) + (MIN_BUCKET, MIN_BUCKET))[:2]
+    return Prompts(target=self.encode(self.target, texts, target_w),
+                   draft=None if draft is None else self.encode(draft, texts, draft_w))
 
   def texts(self, gen: Generation) -> list[tuple[list[int], str]]:
     """(generated ids, text) per row, each cut at its EOS and at the first of decode.stop."""

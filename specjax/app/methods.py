@@ -84,6 +84,10 @@ def build(config, draft_role: str = "draft") -> Method:
 
 
 def _load_pair(config, target_role: str, draft_role: str, mesh=None):
+  # Both checkpoints are fetched and converted before either is loaded, so that a conversion's
+  # temporaries never sit beside the loaded target (the first run's peak memory).
+  for role in (target_role, draft_role):
+    resolve.checkpoint_dir(builders.model_spec(config, role))
   return (load_placed(config, target_role, mesh, target=True),
           load_placed(config, draft_role, mesh, target=False))
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.decoding import sharded
-from specjax.decoding.state import (TARGET, Generation, SpecState, SpecStats, check_finite, finish,
-                                    OnChunk, Reserve, chunk_loop, drive, is_stop,
-                                    nonfinite_rows, stop_ids, write_rows)
+from specjax.decoding.state import (TARGET, Generation, SpecState, SpecStats,
+                                    OnChunk, Reserve, chunk_loop, is_stop, nonfinite_rows,
+                                    run_loop, stop_ids, write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -84,18 +84,13 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   # The warp is a traced argument, not part of the static setup: another temperature or top_p
   # reuses the compiled loop (sampling.Warp).
   setup = Setup(model, None, stop_ids(eos_id), max_new_tokens, max_len, mesh)
-  if mesh is not None:
-    if on_chunk is not None:
-      raise ValueError("on_chunk steps the loop from the host on one device: leave mesh unset")
-    gen = sharded.generate(loop, setup, (model,), (params,), (prompt,), keys, max_new_tokens,
-                           warp)
-  elif on_chunk is not None:
-    state = drive(_init_jit(setup, params, prompt, keys, warp),
-                  lambda s: _chunk_jit(setup, params, s, chunk_blocks, warp), on_chunk)
-    gen = finish(state, max_new_tokens)
-  else:
-    gen = finish(_run(setup, params, prompt, keys, warp), max_new_tokens)
-  return check_finite(gen, model)
+  start = lambda: (_init_jit(setup, params, prompt, keys, warp),
+                   lambda s, steps: _chunk_jit(setup, params, s, steps, warp))
+  return run_loop(lambda: _run(setup, params, prompt, keys, warp), start,
+                  lambda: sharded.generate(loop, setup, (model,), (params,), (prompt,), keys,
+                                           max_new_tokens, warp),
+                  mesh=mesh, max_new=max_new_tokens, models=(model,), on_chunk=on_chunk,
+                  chunk_blocks=chunk_blocks)
 
 
 @functools.partial(jax.jit, static_argnums=0)

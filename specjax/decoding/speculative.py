@@ -34,8 +34,8 @@ from specjax.acceptance import base, registry
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
 from specjax.decoding.state import (DRAFT, TARGET, Generation, SpecState, SpecStats,
-                                    OnChunk, Reserve, check_finite, chunk_loop, drive, finish,
-                                    is_stop, nonfinite_rows, stop_ids, write_rows)
+                                    OnChunk, Reserve, chunk_loop, is_stop, nonfinite_rows,
+                                    run_loop, stop_ids, write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -87,19 +87,13 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   setup = dataclasses.replace(setup, mesh=mesh, rule=None, warp=None)
   draft_prompt = prompt if draft_prompt is None else draft_prompt
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
-  if mesh is not None:
-    if debug or on_chunk is not None:
-      raise ValueError("debug=True and on_chunk step the loop from the host on one device: "
-                       "leave mesh unset")
-    gen = sharded.generate(loop, setup, (target, draft), (target_params, draft_params),
-                           (prompt, draft_prompt), keys, max_new_tokens, knobs)
-    return check_finite(gen, target, draft)
-  if debug or on_chunk is not None:
-    state = _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs,
-                         on_chunk, 1 if debug else chunk_blocks)
-  else:
-    state = run(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs)
-  return check_finite(finish(state, max_new_tokens), target, draft)
+  params, prompts = (target_params, draft_params), (prompt, draft_prompt)
+  return run_loop(lambda: run(setup, *params, *prompts, keys, knobs),
+                  lambda: _start(setup, *params, *prompts, keys, knobs),
+                  lambda: sharded.generate(loop, setup, (target, draft), params, prompts, keys,
+                                           max_new_tokens, knobs),
+                  mesh=mesh, max_new=max_new_tokens, models=(target, draft), on_chunk=on_chunk,
+                  debug=debug, chunk_blocks=chunk_blocks)
 
 
 def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_tokens, warp, eos_id,
@@ -167,14 +161,14 @@ def loop(setup: Setup, params, prompts, keys: jax.Array, knobs) -> SpecState:
                             sharded.pin(state, setup.mesh))
 
 
-def _run_chunked(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs, on_chunk,
-                 blocks: int) -> SpecState:
-  """The same init/block functions, one jitted call per chunk of `blocks` blocks with the state
-  donated, driven by a host loop (state.drive): the state can be inspected between chunks. Under
-  `with jax.disable_jit():` everything runs eagerly (breakpoints inside rules and models work)."""
+def _start(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs):
+  """The chunked form (state.run_loop): the prefill, and `advance` running the same block
+  function one jitted call per chunk with the state donated; the state can be inspected between
+  chunks. Under `with jax.disable_jit():` everything runs eagerly (breakpoints inside rules and
+  models work)."""
   state, anchors = _init_jit(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs)
-  advance = lambda s: _chunk_jit(setup, target_params, draft_params, anchors, s, blocks, knobs)
-  return drive(state, advance, on_chunk)
+  return state, lambda s, blocks: _chunk_jit(setup, target_params, draft_params, anchors, s,
+                                             blocks, knobs)
 
 
 def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):

@@ -228,3 +228,30 @@ def chunk_loop(step: Callable[[SpecState], SpecState], state: SpecState, blocks:
     return i + 1, step(s)
   return jax.lax.while_loop(lambda c: (c[0] < blocks) & ~jnp.all(c[1].done), body,
                             (jnp.int32(0), state))[1]
+
+
+# start() -> (the state after the prefill, advance(state, blocks) -> the state after that many
+# more blocks, the state donated): a loop's chunked form.
+Start = Callable[[], "tuple[SpecState, Callable[[SpecState, int], SpecState]]"]
+
+
+def run_loop(whole: Callable[[], SpecState], start: Start, on_mesh: Callable[[], Generation], *,
+             mesh, max_new: int, models: tuple, on_chunk: OnChunk | None = None,
+             debug: bool = False, chunk_blocks: int = 1) -> Generation:
+  """The front end every jitted loop shares: on a mesh the sharded program (`on_mesh`); with
+  on_chunk (streaming) or debug the chunked form driven from the host (`start`, chunks of
+  chunk_blocks blocks; debug: one block per call); else the whole generation in one compiled call
+  (`whole`). Then the tokens cut to max_new and the finite check naming the model (models:
+  target, then draft)."""
+  if mesh is not None:
+    if debug or on_chunk is not None:
+      raise ValueError("debug=True and on_chunk step the loop from the host on one device: "
+                       "leave mesh unset")
+    return check_finite(on_mesh(), *models)
+  if debug or on_chunk is not None:
+    state, advance = start()
+    blocks = 1 if debug else chunk_blocks
+    state = drive(state, lambda s: advance(s, blocks), on_chunk)
+  else:
+    state = whole()
+  return check_finite(finish(state, max_new), *models)

@@ -42,8 +42,8 @@ from specjax.acceptance import base
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
 from specjax.decoding.state import (DRAFT, STAT_FIELDS, TARGET, Generation, SpecStats,
-                                    Reserve, check_finite, finish, is_stop, nonfinite_rows,
-                                    stop_ids, write_rows)
+                                    Reserve, is_stop, nonfinite_rows, run_loop, stop_ids,
+                                    write_rows)
 from specjax.models import Prompt, prompting
 from specjax.models import kv_cache
 
@@ -133,19 +133,15 @@ def generate(target, target_params, draft, draft_params, verifier, verifier_para
   setup = dataclasses.replace(setup, mesh=mesh)
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
   params = (target_params, draft_params, verifier_params)
-  if mesh is not None:
-    if debug:
-      raise ValueError("debug=True steps the loop on one device: leave mesh unset to debug")
-    gen = sharded.generate(loop, setup, (target, draft, None), params, (prompt,), keys,
-                           max_new_tokens)
-    return check_finite(gen, target, draft)
-  if debug:
+
+  def start():                      # debug: one jitted step per call (blocks is always 1)
     state, anchors = _init_jit(setup, params, prompt, keys)
-    while not bool(jnp.all(state.done)):
-      state = _step_jit(setup, params, anchors, state)
-  else:
-    state = run(setup, params, prompt, keys)
-  return check_finite(finish(state, max_new_tokens), target, draft)
+    return state, lambda s, blocks: _step_jit(setup, params, anchors, s)
+
+  return run_loop(lambda: run(setup, params, prompt, keys), start,
+                  lambda: sharded.generate(loop, setup, (target, draft, None), params, (prompt,),
+                                           keys, max_new_tokens),
+                  mesh=mesh, max_new=max_new_tokens, models=(target, draft), debug=debug)
 
 
 def reserve(gamma_max: int, max_new_tokens: int) -> Reserve:

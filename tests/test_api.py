@@ -123,6 +123,14 @@ BAD = [
     (dict(rule="slrs", eps=1), "takes no argument eps"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
+    (dict(gamma="4"), "gamma='4' is not an integer"),
+    (dict(temperature="hot"), "temperature='hot' is not a number"),
+    (dict(batch_size=0), "batch_size=0 must be >= 1"),
+    (dict(rule="lenient", eps="x"), "rule 'lenient': eps='x' is not a number"),
+    (dict(stop=5), "stop=5: pass a string or a list of strings"),
+    (dict(stream=5), r"stream=5: pass a function stream\(i, text\)"),
+    (dict(max_new_token=5), "no argument 'max_new_token': did you mean 'max_new_tokens'"),
+    (dict(mesh="2x2"), "pass a jax.sharding.Mesh"),
 ]
 
 

@@ -18,6 +18,7 @@ batch_size, and row b of a batch equals that prompt decoded alone with the same 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -26,7 +27,7 @@ import numpy as np
 
 from specjax.acceptance.base import Rule
 from specjax.api import rules, streaming
-from specjax.api.errors import UsageError
+from specjax.api.errors import UsageError, check_types
 from specjax.api.loading import LoadedModel
 from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Speculative, Sprinter,
                                  StringLevel, check_same_vocabulary, check_sprinter,
@@ -62,6 +63,9 @@ class SpeculativeDecoder:
     _check_model(target, "target")
     if draft is not None:
       _check_model(draft, "draft")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+      raise UsageError(f"mesh={mesh!r}: pass a jax.sharding.Mesh with axes ('data', 'model') "
+                       f"(specjax.sharding.make_mesh(data, model)), or None for one device")
     base = _settings(gamma=gamma, max_len=max_len)
     self.method = dataclasses.replace(_method(target, draft, rule, rule_args, base, mesh),
                                       arg_prefix="")
@@ -86,11 +90,13 @@ class SpeculativeDecoder:
     stream(i, text): called with prompt i's new text as it is committed (methods with a loop of
     their own: once, when the row is done). truncate: "" refuses a prompt the cache cannot
     hold, "left" keeps its last tokens."""
+    if stream is not None and not callable(stream):
+      raise UsageError(f"stream={stream!r}: pass a function stream(i, text), or None")
     rows = _check_prompts(prompts, self.method, chat)
     method = self.method.with_settings(**_settings_changes(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, chat=chat, stop=stop, truncate=truncate, stream=stream is not None,
-        batch_size=batch_size or min(len(rows), DEFAULT_BATCH)))
+        batch_size=min(len(rows), DEFAULT_BATCH) if batch_size is None else batch_size))
     rows = [formatted_text(method, p) for p in rows] if chat else rows
     out = [row for _, done in batches(method, rows, jax.random.PRNGKey(seed), stream=stream)
            for row in done]
@@ -106,6 +112,11 @@ def generate(target: LoadedModel, prompts: Prompts, *, draft: LoadedModel | None
   (the decode arguments of SpeculativeDecoder.generate; every other name is a rule argument).
   Build a SpeculativeDecoder yourself to decode several times with one set of models."""
   decode_args = {k: kwargs.pop(k) for k in list(kwargs) if k in _DECODE_ARGS}
+  for name in kwargs:
+    near = difflib.get_close_matches(name, _DECODE_ARGS + _DECODER_ARGS, n=1)
+    if near:
+      raise UsageError(f"generate() has no argument {name!r}: did you mean {near[0]!r}? (other "
+                       f"names are the rule's hyperparameters)")
   decoder = SpeculativeDecoder(target, draft, rule=rule, gamma=gamma, mesh=mesh,
                                max_len=max_len, **kwargs)
   return decoder.generate(prompts, **decode_args)
@@ -113,6 +124,7 @@ def generate(target: LoadedModel, prompts: Prompts, *, draft: LoadedModel | None
 
 _DECODE_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "batch_size", "chat",
                 "stop", "stream", "truncate")
+_DECODER_ARGS = ("draft", "rule", "gamma", "mesh", "max_len")
 
 
 def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | None = None,
@@ -153,7 +165,8 @@ def _method(target, draft, rule, rule_args: dict, settings: DecodeSettings, mesh
   """The method for these models and rule, its params placed on `mesh`."""
   if draft is None:
     if rule is not None or rule_args:
-      what = f"rule={rule!r}" if rule is not None else f"{', '.join(rule_args)}"
+      what = (f"rule={rule!r}" if rule is not None else
+              f"{', '.join(sorted(rule_args))} (a rule's argument)")
       raise UsageError(f"{what} needs a draft: pass draft=specjax.load(...) (without one the "
                        f"target decodes alone)")
     return Autoregressive(target=placed(target, mesh, True, "the target"), settings=settings,
@@ -208,6 +221,7 @@ def _int_arg(value, name: str, low: int) -> int:
 
 
 def _settings(**values) -> DecodeSettings:
+  check_types(DecodeSettings, values)
   try:
     return DecodeSettings(**values)
   except (TypeError, ValueError) as err:
@@ -220,9 +234,11 @@ def _replace(settings: DecodeSettings, **changes) -> DecodeSettings:
 
 def _settings_changes(**changes) -> dict:
   """The changes, checked by DecodeSettings (a UsageError naming the bad one)."""
-  if isinstance(changes["stop"], str):
-    changes["stop"] = (changes["stop"],)
-  changes["stop"] = tuple(changes["stop"])
+  stop = changes["stop"]
+  stop = (stop,) if isinstance(stop, str) else stop
+  if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+    raise UsageError(f"stop={changes['stop']!r}: pass a string or a list of strings")
+  changes["stop"] = tuple(stop)
   _settings(**changes)
   return changes
 

@@ -8,7 +8,7 @@ import dataclasses
 
 from specjax.acceptance import registry, vocab
 from specjax.acceptance.base import Rule
-from specjax.api.errors import UsageError
+from specjax.api.errors import UsageError, check_types
 from specjax.api.loading import LoadedModel
 from specjax.api.methods import check_same_vocabulary
 
@@ -47,6 +47,7 @@ def make(rule: str | Rule, args: dict, target: LoadedModel, draft: LoadedModel) 
       raise UsageError(f"rule {rule!r} takes no argument {', '.join(unknown)}; its "
                        f"hyperparameters are {', '.join(known) or '(none)'}")
     values = args
+    check_types(cls, values, f"rule {rule!r}: ")
   fixed = fixed_args(cls.rule_name, target, draft)
   try:
     if isinstance(rule, Rule):

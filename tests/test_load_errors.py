@@ -224,3 +224,11 @@ def test_qwen_pair_absent_gives_one_line_and_exit_2(tmp_path):
   assert "checkpoint 'Qwen/Qwen2.5-7B-Instruct' is not a local directory and is not in the " \
          "local Hugging Face cache" in errors[0]
   assert errors[0].endswith("Then pass --config.target.checkpoint=DIR.")
+
+
+@pytest.mark.parametrize("name", ["/no/such/model", "./no/such", "~/no-such-model", "a/b/c"])
+def test_a_missing_local_path_is_named_as_a_path_not_a_hub_id(name):
+  with pytest.raises(hf_import.CheckpointNotFoundError,
+                     match="does not exist: check the path") as err:
+    hf_import.resolve_checkpoint(name)
+  assert "huggingface-cli" not in str(err.value)

@@ -48,6 +48,11 @@ def resolve_checkpoint(name_or_dir: str) -> Path:
     weights = [] if _weight_files(path) else ["model.safetensors (or model.safetensors.index.json)"]
     raise CheckpointNotFoundError(f"checkpoint directory {path} is incomplete: missing "
                                   f"{', '.join(missing + weights)}.", str(name_or_dir))
+  if _looks_like_path(str(name_or_dir)):
+    what = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
+    raise CheckpointNotFoundError(
+        f"checkpoint directory {path} {what}: check the path (it should hold config.json and "
+        f"model.safetensors; a hub id looks like ORG/NAME)", str(name_or_dir))
   try:
     from huggingface_hub import snapshot_download
     snap = Path(snapshot_download(str(name_or_dir), local_files_only=True))
@@ -61,6 +66,13 @@ def resolve_checkpoint(name_or_dir: str) -> Path:
       f"and the tokenizer files). Download it on a machine with network access "
       f"(huggingface-cli download {name_or_dir} --local-dir DIR) and load it from DIR.",
       str(name_or_dir))
+
+
+def _looks_like_path(name: str) -> bool:
+  """A name that can only be a local path: absolute, ~ or ./ ../, more than one '/', or a
+  file's name (a hub id is ORG/NAME or NAME)."""
+  return (name.startswith(("/", "~", "./", "../", ".\\")) or name.count("/") > 1
+          or os.sep != "/" and os.sep in name or Path(name).exists())
 
 
 def _weight_files(path: Path) -> list[Path]:

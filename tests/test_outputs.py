@@ -132,6 +132,9 @@ def test_outputs_that_are_inputs_are_refused(tmp_path):
       outputs.check_not_input(same, inputs, "--output_json")
   with pytest.raises(outputs.OutputPathError, match="would overwrite --config.draft.checkpoint"):
     outputs.check_not_input(ckpt / "model.safetensors", inputs, "--output_json")
+  (tmp_path / "weights.json").symlink_to(ckpt / "model.safetensors")    # a link into the input
+  with pytest.raises(outputs.OutputPathError, match="would overwrite --config.draft.checkpoint"):
+    outputs.check_not_input(tmp_path / "weights.json", inputs, "--output_json")
   with pytest.raises(outputs.OutputPathError, match="--workdir .* would overwrite"):
     outputs.check_not_input(ckpt, inputs, "--workdir")
   for fine in (tmp_path / "new.json", ckpt / "latency.json", None, "/dev/null"):

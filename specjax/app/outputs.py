@@ -85,8 +85,9 @@ def _overwrites(output: pathlib.Path, source: pathlib.Path) -> bool:
   """Whether writing `output` replaces `source` or a checkpoint file of directory `source`."""
   if os.path.samefile(output, source):
     return True
-  return (source.is_dir() and output.is_file() and os.path.samefile(output.parent, source)
-          and any(fnmatch.fnmatch(output.name, p) for p in CHECKPOINT_FILES))
+  real = pathlib.Path(os.path.realpath(output))       # a symlink: the file it leads to
+  return (source.is_dir() and real.is_file() and os.path.samefile(real.parent, source)
+          and any(fnmatch.fnmatch(real.name, p) for p in CHECKPOINT_FILES))
 
 
 def writes_in_place(path: str | os.PathLike) -> bool:

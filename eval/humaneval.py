@@ -259,7 +259,8 @@ def main(argv=None) -> int:
 
   def go():
     cli.setup()
-    out_path = args.output_json and outputs.check_output_file(args.output_json, "--output_json")
+    out_path = (args.output_json is not None
+                and outputs.check_output_file(args.output_json, "--output_json"))
     items = parse_methods(args.methods)
     config = load_config(args.config, overrides)
     outputs.check_not_input(out_path, {"--problems": args.problems,

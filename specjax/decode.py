@@ -88,7 +88,8 @@ def main(argv=None) -> int:
   args, overrides = cli.parse(p, argv)
 
   def go() -> int:
-    output = args.output_json and outputs.check_output_file(args.output_json, "--output_json")
+    output = (args.output_json is not None
+              and outputs.check_output_file(args.output_json, "--output_json"))
     start = time.perf_counter()
     cli.setup()
     cfg = config.load_config(args.config, overrides)

@@ -235,3 +235,16 @@ def test_one_call_compiles_one_loop_whatever_its_prompt_lengths(models):
   alone = specjax.generate(models["target"], ["x"], draft=models["draft"], max_new_tokens=7,
                            temperature=0)
   assert out.tokens[0] == alone.tokens[0]           # the wider padding changes nothing
+
+
+def test_names_and_meshes_that_cannot_be_used_are_refused(models):
+  for name in (None, "", "  "):
+    with pytest.raises(specjax.UsageError, match="pass a checkpoint directory"):
+      specjax.load(name)
+  import jax
+  import numpy as np
+  other_axes = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("x", "y"))
+  with pytest.raises(specjax.UsageError, match="axes \\('data', 'model'\\)"):
+    specjax.SpeculativeDecoder(models["target"], models["draft"], mesh=other_axes)
+  with pytest.raises(specjax.UsageError, match="prompt 0 is empty: give at least one token id"):
+    specjax.generate(models["target"], [[]])

@@ -1,6 +1,7 @@
 """Config loading, overrides, and the decode CLI's error path without weights."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,14 @@ def test_builders_type_values_by_annotation():
   spec = builders.model_spec(ml_collections.ConfigDict(dict(
       draft=dict(arch="decoder", d_model=32, num_layers=1, init_from=""))), "draft")
   assert spec.arch == "decoder" and dict(spec.fields) == {"d_model": 32, "num_layers": 1}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.decode.stop=5", "--config.decode.stop=5 does not fit the field, which holds a tuple"),
+    ("--config.prompts=5", "which holds a list: write it in that form"),
+    ("--config.rule=exact", "--config.rule is a section: set its fields"),
+    ("--config.decode=5", "--config.decode is a section"),
+])
+def test_an_override_of_a_list_or_a_section_is_refused_with_the_form(override, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    load_config("tiny.py", [override])

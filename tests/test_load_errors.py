@@ -232,3 +232,16 @@ def test_a_missing_local_path_is_named_as_a_path_not_a_hub_id(name):
                      match="does not exist: check the path") as err:
     hf_import.resolve_checkpoint(name)
   assert "huggingface-cli" not in str(err.value)
+
+
+def test_a_damaged_sentencepiece_model_and_a_cache_that_is_a_file_are_named(tmp_path, monkeypatch):
+  from specjax.data import cache, tokenizer
+  bad = tmp_path / "spm.model"
+  bad.write_bytes(b"\x00not a model" * 10)
+  with pytest.raises(ValueError, match="is not a SentencePiece model .*copy the checkpoint's"):
+    tokenizer.Tokenizer.load(bad)
+  afile = tmp_path / "file"
+  afile.write_text("x")
+  monkeypatch.setenv("SPECJAX_CACHE", str(afile))
+  with pytest.raises(ValueError, match=r"\$SPECJAX_CACHE .* point SPECJAX_CACHE at a writable"):
+    cache.cache_dir()

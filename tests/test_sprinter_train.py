@@ -52,3 +52,13 @@ def test_a_tokenizer_named_by_checkpoint_resolves_to_its_directory(monkeypatch):
   assert sprinter_train.text_batches(spec, rows=4, count=2, cont_len=20) == [(0, "train"),
                                                                               (1, "train")]
   assert seen == [("stdlib_lm", "/pairs/tiny/target", 4, 20)]
+
+
+@pytest.mark.parametrize("record", ["run.json", "checkpoints"])
+def test_a_training_run_s_workdir_is_refused_for_a_verifier(tmp_path, record):
+  """A verifier saved in a train.pretrain / train.distill workdir would replace its params/."""
+  workdir = tmp_path / "run"
+  (workdir / "params").mkdir(parents=True)
+  (workdir / record).mkdir() if record == "checkpoints" else (workdir / record).write_text("{}")
+  with pytest.raises(ConfigError, match=f"holds a training run \\({record}\\)"):
+    sprinter_train.check_verifier_workdir(str(workdir), overwrite=True)

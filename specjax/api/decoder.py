@@ -63,7 +63,8 @@ class SpeculativeDecoder:
     _check_model(target, "target")
     if draft is not None:
       _check_model(draft, "draft")
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+    if mesh is not None and (not isinstance(mesh, jax.sharding.Mesh)
+                             or set(mesh.axis_names) != {"data", "model"}):
       raise UsageError(f"mesh={mesh!r}: pass a jax.sharding.Mesh with axes ('data', 'model') "
                        f"(specjax.sharding.make_mesh(data, model)), or None for one device")
     base = _settings(gamma=gamma, max_len=max_len)
@@ -259,6 +260,9 @@ def _check_prompts(prompts, method: Method, chat: bool) -> list:
     if empty:
       raise UsageError(f"prompt {empty[0]} is empty: give text to continue")
     return list(prompts)
+  empty = [i for i, p in enumerate(prompts) if isinstance(p, (list, tuple)) and not len(p)]
+  if empty:
+    raise UsageError(f"prompt {empty[0]} is empty: give at least one token id")
   if not all(_is_ids(p) for p in prompts):
     raise UsageError("prompts must be all strings or all lists of token ids (ints >= 0), not "
                      "a mix or other types")

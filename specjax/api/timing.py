@@ -3,9 +3,10 @@ programs from the persistent cache), told apart from the decoding itself.
 
 `CompileClock` listens to jax.monitoring's events for as long as the process lives; its
 `seconds()` is the union of the compile spans so far (a nested jit traces inside its caller, so
-spans overlap and summing them would count a second twice) plus the time spent fetching programs
-from the persistent cache. A runner reads it before and after a generation: what the generation
-took beyond it is decoding.
+spans overlap and summing them would count a second twice). The backend-compile span also covers
+fetching a program from the persistent cache (jax's compile_or_get_cached runs inside it), so a
+fetch is counted once, in its span. A runner reads it before and after a generation: what the
+generation took beyond it is decoding.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import threading
 _SPAN_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                 "/jax/core/compile/jaxpr_to_mlir_module_duration",
                 "/jax/core/compile/backend_compile_duration")
-_FETCH_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
 
 
 def union_seconds(spans: list[tuple[float, float]]) -> float:
@@ -34,24 +34,17 @@ class CompileClock:
   def __init__(self):
     from jax import monitoring
     self._spans: list[tuple[float, float]] = []
-    self._fetch = 0.0
     self._lock = threading.Lock()
     monitoring.register_event_time_span_listener(self._on_span)
-    monitoring.register_event_duration_secs_listener(self._on_duration)
 
   def _on_span(self, event, start, end, **_):
     if event in _SPAN_EVENTS:
       with self._lock:
         self._spans.append((start, end))
 
-  def _on_duration(self, event, seconds, **_):
-    if event == _FETCH_EVENT:
-      with self._lock:
-        self._fetch += seconds
-
   def seconds(self) -> float:
     with self._lock:
-      return union_seconds(self._spans) + self._fetch
+      return union_seconds(self._spans)
 
 
 _CLOCK: CompileClock | None = None

@@ -145,7 +145,17 @@ def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
     raise ConfigError(f"unknown config field '{key}' (override '{item}'); known fields here: "
                       f"{', '.join(sorted(node.keys()))}")
   old = node[leaf] if leaf in node else None
-  node[leaf] = _typed(raw, old, key)
+  if hasattr(old, "keys"):
+    raise ConfigError(f"--config.{key} is a section: set its fields, --config.{key}.FIELD=VALUE "
+                      f"(fields: {', '.join(sorted(old.keys()))})")
+  value = _typed(raw, old, key)
+  try:
+    node[leaf] = value
+  except (TypeError, ValueError) as err:
+    form = "['TEXT', ...]" if isinstance(old, (list, tuple)) else repr(old)[:40]
+    raise ConfigError(f"--config.{key}={raw} does not fit the field, which holds a "
+                      f"{type(old).__name__}: write it in that form, e.g. "
+                      f"--config.{key}=\"{form}\"") from err
 
 
 def _typed(raw: str, old, key: str):

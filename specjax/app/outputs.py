@@ -32,6 +32,8 @@ class OutputPathError(ValueError):
 def check_output_file(path: str | os.PathLike, flag: str) -> pathlib.Path:
   """The absolute path of a file the run will write, refused now if it cannot be written. A
   device, FIFO or /dev/stdout needs only to be writable itself (it is written in place)."""
+  if not str(path).strip():
+    raise OutputPathError(f"{flag} is empty: give a file name")
   out = pathlib.Path(path).expanduser().absolute()
   if out.is_dir():
     raise OutputPathError(f"{flag} {out} is a directory: give a file name")

@@ -17,6 +17,7 @@ import jax
 
 from specjax.app import builders, resolve
 from specjax.app.fit import check_workdir
+from specjax.app.training import RUN_FILE
 from specjax.app.config import ConfigError
 from specjax.data.source import SourceConfig, make_source
 from specjax.distill import data as distill_data
@@ -83,6 +84,10 @@ def check_verifier_workdir(workdir: str, overwrite: bool) -> Path:
   """The workdir's absolute path, refused now (before any work) if it cannot be written or
   already holds a verifier that `overwrite` does not allow to replace."""
   path = check_workdir(workdir)
+  other = [name for name in (RUN_FILE, "checkpoints") if (path / name).exists()]
+  if other:
+    raise ConfigError(f"--workdir {path} holds a training run ({', '.join(other)}): a verifier "
+                      f"saved there would replace its params/; choose another workdir")
   if (path / VERIFIER_FILE).exists() and not overwrite:
     raise ConfigError(f"--workdir {path} already holds a verifier ({VERIFIER_FILE}): choose "
                       f"another workdir, or replace it with --config.verifier.overwrite=true")

@@ -25,7 +25,12 @@ def cache_dir() -> pathlib.Path:
   default = os.path.join(os.path.expanduser("~"), ".cache", "specjax")
   root = os.environ.get("SPECJAX_CACHE") or default
   path = pathlib.Path(root)
-  path.mkdir(parents=True, exist_ok=True)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as err:
+    where = "$SPECJAX_CACHE" if os.environ.get("SPECJAX_CACHE") else "the default cache"
+    raise ValueError(f"{where} {path} cannot be used as specjax's cache directory "
+                     f"({err.strerror or err}): point SPECJAX_CACHE at a writable directory") from None
   return path
 
 

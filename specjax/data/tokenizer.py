@@ -88,7 +88,12 @@ class Tokenizer:
     if not os.path.isfile(path):
       raise FileNotFoundError(f"no SentencePiece model at {path}: train one with "
                               "specjax.data.tokenizer.stdlib_tokenizer() or pass a .model file")
-    return cls(path=path, sp=spm.SentencePieceProcessor(model_file=path))
+    try:
+      sp = spm.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError) as err:
+      raise ValueError(f"{path} is not a SentencePiece model ({err}): the file is damaged or of "
+                       f"another kind; copy the checkpoint's tokenizer again") from None
+    return cls(path=path, sp=sp)
 
   @property
   def vocab_size(self) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import ast
 import csv
 import dataclasses
+import os
+import pathlib
 import sys
 from typing import Any, Callable
 
@@ -228,9 +230,12 @@ def write_json(records: list[dict], output: str, quality_key: str) -> None:
 
 def check_output(prefix: str) -> str:
   """The absolute output prefix, once OUTPUT.csv/.json/.png are known to be writable."""
+  if not prefix.strip() or prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
+    raise outputs.OutputPathError(f"--output {prefix!r} is a directory or empty: give a prefix "
+                                  f"such as results/fuzzy (OUTPUT.csv, .json and .png are written)")
   for suffix in OUTPUT_SUFFIXES:
-    path = outputs.check_output_file(f"{prefix}{suffix}", "--output")
-  return str(path.with_suffix(""))
+    outputs.check_output_file(f"{prefix}{suffix}", "--output")
+  return str(pathlib.Path(prefix).expanduser().absolute())
 
 
 def parse_args(argv):

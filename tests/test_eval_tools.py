@@ -166,3 +166,11 @@ def test_matmul_tool_measures_every_case_and_refuses_bad_flags(tmp_path, capsys)
   assert "--rows must be comma-separated" in _error_line(capsys)
   assert matmul.main(["--dtypes", "int4"]) == 2
   assert "--dtypes: use float32" in _error_line(capsys)
+
+
+def test_a_tradeoff_output_prefix_that_is_a_directory_is_refused(tmp_path):
+  from specjax.app import outputs
+  for prefix in (f"{tmp_path}/", str(tmp_path), ""):
+    with pytest.raises(outputs.OutputPathError, match="is a directory or empty: give a prefix"):
+      tradeoff.check_output(prefix)
+  assert tradeoff.check_output(str(tmp_path / "fuzzy")) == str(tmp_path / "fuzzy")

@@ -139,3 +139,8 @@ def test_outputs_that_are_inputs_are_refused(tmp_path):
     outputs.check_not_input(ckpt, inputs, "--workdir")
   for fine in (tmp_path / "new.json", ckpt / "latency.json", None, "/dev/null"):
     outputs.check_not_input(fine, inputs, "--output_json")
+
+
+def test_an_output_under_proc_is_refused_before_any_work():
+  with pytest.raises(outputs.OutputPathError, match="/proc/specjax-x.md is not writable"):
+    outputs.check_output_file("/proc/specjax-x.md", "--output_md")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -38,6 +39,7 @@ from specjax.sprinter import verifier as sprinter_verifier
 STRING_LEVEL = ("slem", "slrs")
 METHOD_RULES = ("sprinter",) + STRING_LEVEL       # rules that are methods with their own loop
 DEFAULT_BATCH = 8
+log = logging.getLogger(__name__)
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 Stream = Callable[[int, str], None]
@@ -139,6 +141,10 @@ def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | N
   prompt, so that every batch has one shape (the eval tools); the repeats are dropped."""
   size = method.settings.batch_size
   widths = method.widths(prompts)           # one bucket per model for the whole call
+  rule = getattr(method, "rule", None)
+  if getattr(rule, "rule_name", "") == "greedy" and method.settings.temperature > 0:
+    log.warning("rule greedy decodes greedily (the target's argmax): temperature %s, top_k and "
+                "top_p do not apply; use rule exact to sample", method.settings.temperature)
   for start in range(0, len(prompts), size):
     chunk = list(prompts[start:start + size])
     n = len(chunk)

@@ -44,9 +44,20 @@ def check_output_file(path: str | os.PathLike, flag: str) -> pathlib.Path:
   if not out.parent.is_dir():
     raise OutputPathError(f"{flag} {out}: the directory {out.parent} does not exist; "
                           f"create it or choose another path")
-  if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+  if (not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK))
+      or not _can_create_in(out.parent)):
     raise OutputPathError(f"{flag} {out} is not writable: choose another path")
   return out
+
+
+def _can_create_in(directory: pathlib.Path) -> bool:
+  """Whether a file can be made in `directory`, as the atomic write does (os.access says yes
+  to root for /proc and for read-only mounts)."""
+  try:
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".specjax-check-"):
+      return True
+  except OSError:
+    return False
 
 
 def check_workdir(path: str | os.PathLike, flag: str) -> pathlib.Path:

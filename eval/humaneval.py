@@ -86,8 +86,16 @@ def problems_file(path: str | None) -> Path:
 
 def load_problems(path: Path, limit: int = 0) -> list[dict]:
   opener = gzip.open if path.suffix == ".gz" else open
-  with opener(path, "rt", encoding="utf-8") as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  try:
+    with opener(path, "rt", encoding="utf-8") as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  except (UnicodeDecodeError, json.JSONDecodeError, gzip.BadGzipFile, EOFError) as err:
+    raise ConfigError(f"--problems {path} is not a JSON-lines problems file (one JSON object "
+                      f"per line with task_id, prompt, test, entry_point; .gz allowed): "
+                      f"{err}") from None
+  if rows and not all(isinstance(r, dict) for r in rows):
+    raise ConfigError(f"--problems {path}: every line must be a JSON object with task_id, "
+                      f"prompt, test and entry_point")
   missing = [k for k in ("task_id", "prompt", "test", "entry_point") if rows and k not in rows[0]]
   if missing:
     raise ConfigError(f"{path}: problems lack {', '.join(missing)}")

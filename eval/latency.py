@@ -147,8 +147,11 @@ def main(argv=None) -> int:
     outputs.check_not_input(output, input_paths(args.config, config), "--output_json")
     dec = methods.build(config)
     if not isinstance(dec, methods.Speculative):
+      fix = (f"method {dec.label} has a loop of its own: choose an acceptance rule "
+             f"(--config.rule.name=exact, greedy, lenient, ...)" if dec.name != "autoregressive"
+             else "name a draft checkpoint (--config.draft.checkpoint) and an acceptance rule")
       raise ValueError(f"eval.latency compares target-only and speculative decoding; the config "
-                       f"runs {dec.name} (name a draft checkpoint and an acceptance rule)")
+                       f"runs {dec.label}: {fix}")
     prompts = runner.eval_prompts(config, args.num_prompts)
     records = []
     for g in gammas or [dec.settings.gamma]:

@@ -65,7 +65,7 @@ def _train(config, workdir: Path, pretrain: bool):
     # The data is prepared (corpus, tokenizer, first batch) while the models are built: both
     # take seconds to minutes on a cold start, and neither needs the other.
     source = trainer_lib.Background(open_data, config, cfg.batch_size)
-    role = builders.section(config, "pretrain").get("model", "target") if pretrain else "draft"
+    role = pretrain_role(config) if pretrain else "draft"
     student = build(config, role, cfg.seed)
     teacher = None if pretrain else build(config, "target", cfg.seed + 1)
     return fit(config, workdir, student, teacher, pretrain=pretrain, display=display,
@@ -88,12 +88,21 @@ def check_learning_rate(config, pretrain: bool) -> None:
                       f"(e.g. 3e-4)")
 
 
+def pretrain_role(config) -> str:
+  """The model section train.pretrain trains (`pretrain.model`): target or draft."""
+  role = builders.section(config, "pretrain").get("model", "target")
+  if role not in ("target", "draft"):
+    raise ConfigError(f"--config.pretrain.model={role!r}: pretraining trains the target or the "
+                      f"draft (--config.pretrain.model=target or draft)")
+  return role
+
+
 def run_record(config, pretrain: bool) -> dict:
   """The job and the config fields that define its run: the trained model's section (both
   models' when distilling), the data section and the loss (the distill section; pretraining's
   loss is NLL). Values as JSON has them. train.* (steps included) may change between runs."""
   if pretrain:
-    role = builders.section(config, "pretrain").get("model", "target")
+    role = pretrain_role(config)
     sections, fields = (role, "data"), {"pretrain.model": role}
   else:
     sections, fields = ("target", "draft", "data", "distill"), {}

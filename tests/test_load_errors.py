@@ -245,3 +245,9 @@ def test_a_damaged_sentencepiece_model_and_a_cache_that_is_a_file_are_named(tmp_
   monkeypatch.setenv("SPECJAX_CACHE", str(afile))
   with pytest.raises(ValueError, match=r"\$SPECJAX_CACHE .* point SPECJAX_CACHE at a writable"):
     cache.cache_dir()
+
+
+def test_a_tokenizer_path_that_does_not_exist_is_named(tmp_path):
+  from specjax.data import tokenizer
+  with pytest.raises(FileNotFoundError, match="tokenizer .*absent.model does not exist"):
+    tokenizer.get_tokenizer(str(tmp_path / "absent.model"))

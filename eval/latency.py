@@ -28,8 +28,6 @@ import jax
 from eval import flags, timing
 from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import input_paths, load_config
-from specjax.decoding import speculative
-from specjax.models import prompting
 
 
 def parse_args(argv):
@@ -82,21 +80,15 @@ def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = Tru
 
 def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: int = 32) -> dict:
   encoded = dec.prepare(prompts[:1])
-  probe, draft_probe = encoded.target, encoded.draft
   gamma = dec.settings.gamma
-  cap = lambda model, p, draft=False: speculative.reserve(dec.rule, gamma, draft).need(
-      prompting.prefix_len(model, p), dec.settings.max_new_tokens)   # the cache decoding uses
   target, draft = dec.target, dec.draft
-  probes = {"t1": timing.step_loop(target.model, target.params, probe, 1,
-                                   cap(target.model, probe), steps),
-            "tv": timing.step_loop(target.model, target.params, probe, gamma + 1,
-                                   cap(target.model, probe), steps),
-            "d1": timing.step_loop(draft.model, draft.params, draft_probe, 1,
-                                   cap(draft.model, draft_probe, draft=True), steps)}
+  probes = timing.cost_probes(target.model, target.params, draft.model, draft.params,
+                              encoded.target, encoded.draft, dec.rule, gamma,
+                              dec.settings.max_new_tokens, steps, [gamma + 1])
   runs = time_decoding({"ar": dec.target_only(), "sd": dec}, prompts,
                        jax.random.PRNGKey(seed), repeats, probes=probes)
   ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]
-  t1, tv, d1 = (runs[name] / steps for name in ("t1", "tv", "d1"))
+  t1, tv, d1 = (runs[name] / steps for name in ("t1", f"t{gamma + 1}", "d1"))
   c, v = d1 / t1, tv / t1
   tau, alpha = stats.get("block_efficiency", 1.0), stats.get("acceptance_rate", 0.0)
   per_token = lambda r: 1e3 * r["total_s"] / r["tokens"]

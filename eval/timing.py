@@ -9,6 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from specjax.decoding import speculative
 from specjax.models import kv_cache, prompting
 
 
@@ -57,3 +58,18 @@ def step_loop(model, params, prompt, width: int, capacity: int, steps: int = 64)
                            prompting.enc_len(model, prompt))
   _, _, cache = model.prefill(params, prompt, cache)
   return functools.partial(_extend_loop, model, params, cache, width, steps)
+
+
+def cost_probes(target, target_params, draft, draft_params, prompt, draft_prompt, rule,
+                gamma: int, max_new: int, steps: int, widths=()) -> dict:
+  """Calls for the cost model's probes, each `steps` passes with the caches speculative decoding
+  at `gamma` uses: "t1" the target over one token, "t{w}" over w tokens for each of `widths`
+  (a verify pass: w = gamma + 1), "d1" the draft over one token."""
+  def cap(model, p, is_draft=False):
+    return speculative.reserve(rule, gamma, is_draft).need(prompting.prefix_len(model, p), max_new)
+  t_cap = cap(target, prompt)
+  probes = {f"t{w}": step_loop(target, target_params, prompt, w, t_cap, steps)
+            for w in (1, *widths)}
+  probes["d1"] = step_loop(draft, draft_params, draft_prompt, 1,
+                           cap(draft, draft_prompt, True), steps)
+  return probes

@@ -1,0 +1,480 @@
+"""Decoding speed at real model shapes on any backend, against the roofline.
+
+    python -m eval.bench                                   # every shape, batch 1, 8, 32
+    python -m eval.bench --shapes qwen-coder-1.5b --batches 1 --gammas 3,5,7
+    python -m eval.bench --scale 16 --batches 1 --new_tokens 16    # a CPU-sized run
+
+Per shape (a target with its draft: Qwen2.5-Coder-1.5B with Qwen2.5-0.5B, Qwen2.5-7B with
+Qwen2.5-0.5B, Llama-3.1-8B with Llama-3.2-1B, T5 v1.1 XL with Small), the models are built from
+their config.json (written on the fly) with random bfloat16 weights (`--scale N` divides every
+width, head count, layer count and the vocabulary by N) and, per batch size:
+
+  target alone   ms per decoding step, after the first token (the prefill is timed apart), and
+                 the roofline's share: the floor of a step (every weight a step reads and the
+                 KV cache of the filled positions over the device's memory bandwidth, or the
+                 matmul FLOPs over its bf16 rate where that is larger: batch 32 on a small model)
+                 over the measured step
+  speculative    per gamma: ms per generated token, tau (tokens per block), c (draft step /
+                 target step), v (target pass over gamma+1 tokens / one-token step), speedup
+  start-up       compile seconds of each program (cold: an empty compilation cache) and the same
+                 programs fetched from the persistent cache (warm)
+  memory         the device's peak bytes in use (where the backend reports it)
+
+Random weights agree with nothing, so the draft's acceptance is set by a knob: rule
+`SetAcceptance(alpha)` accepts each draft token with probability --alpha, independently, and
+takes the target's argmax at the first rejection (or as the bonus token). Everything else is
+real decoding: the same compiled loop, the same passes, shapes and caches as the greedy rule.
+The expected tau at gamma g is (1 - alpha^(g+1)) / (1 - alpha).
+
+Cases run in priority order (every shape at batch 1 first) and the JSON is rewritten after each;
+a case already in the file (same shape, batch, scale, device) is skipped, so a run that is cut
+short resumes where it stopped. --output_md gets the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval import flags, timing, trace
+from specjax.acceptance import base
+from specjax.api import results
+from specjax.app import cli, outputs
+from specjax.decoding import autoregressive, speculative
+from specjax.models import hf_import, prompting
+from specjax.models import layers as layouts
+from specjax.models.prompting import Prompt
+from specjax.sampling import Warp
+
+# ------------------------------------------------------------------------------ shapes
+
+_QWEN = dict(model_type="qwen2", hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6,
+             max_position_embeddings=32768)
+QWEN_0_5B = dict(_QWEN, vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                 num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 tie_word_embeddings=True)
+QWEN_CODER_1_5B = dict(_QWEN, vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       tie_word_embeddings=True)
+QWEN_7B = dict(_QWEN, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               tie_word_embeddings=False)
+_LLAMA3 = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=131072, vocab_size=128256, num_key_value_heads=8)
+LLAMA_8B = dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, tie_word_embeddings=False,
+                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position_embeddings=8192))
+LLAMA_1B = dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, head_dim=64, tie_word_embeddings=True,
+                rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position_embeddings=8192))
+_T5 = dict(model_type="t5", vocab_size=32128, d_kv=64, feed_forward_proj="gated-gelu",
+           tie_word_embeddings=False, relative_attention_num_buckets=32,
+           relative_attention_max_distance=128, decoder_start_token_id=0, eos_token_id=1,
+           pad_token_id=0)
+T5_XL = dict(_T5, d_model=2048, d_ff=5120, num_heads=32, num_layers=24)
+T5_SMALL = dict(_T5, d_model=512, d_ff=1024, num_heads=6, num_layers=8)
+
+# name -> (target, draft) config.json contents, in priority order. The draft takes the target's
+# vocabulary size (Qwen2.5-7B pads its table to 152064; the 0.5B's has 151936 rows): speculative
+# decoding reads draft ids as target ids.
+SHAPES = {
+    "qwen-coder-1.5b": (QWEN_CODER_1_5B, QWEN_0_5B),
+    "qwen2.5-7b": (QWEN_7B, QWEN_0_5B),
+    "llama-3.1-8b": (LLAMA_8B, LLAMA_1B),
+    "t5-xl": (T5_XL, T5_SMALL),
+}
+
+# device_kind prefix -> (memory bandwidth TB/s, dense bf16 TFLOP/s), the vendors' datasheets.
+PEAKS = {
+    "TPU v4": (1.2, 275.0), "TPU v5 lite": (0.819, 197.0), "TPU v5e": (0.819, 197.0),
+    "TPU v5p": (2.765, 459.0), "TPU v5": (2.765, 459.0), "TPU v6 lite": (1.64, 918.0),
+    "TPU v6e": (1.64, 918.0), "NVIDIA A100": (2.039, 312.0), "NVIDIA H100": (3.35, 989.0),
+    "NVIDIA H200": (4.8, 989.0),
+}
+
+
+def scaled(cfg: dict, n: int) -> dict:
+  """A config.json with every width, head count, layer count and the vocabulary divided by n
+  (at least 8 wide, 2 layers, one head; query heads stay a multiple of the KV heads)."""
+  if n == 1:
+    return dict(cfg)
+  cut = lambda v, low=8: max(low, v // n // 8 * 8)
+  out = dict(cfg, vocab_size=cut(cfg["vocab_size"]))
+  if cfg["model_type"] == "t5":
+    heads = max(1, cfg["num_heads"] // n)
+    return dict(out, d_model=cut(cfg["d_model"]), d_ff=cut(cfg["d_ff"]), num_heads=heads,
+                d_kv=max(8, cut(cfg["d_model"]) // heads), num_layers=max(2, cfg["num_layers"] // n))
+  kv = max(1, cfg["num_key_value_heads"] // n)
+  heads = max(kv, cfg["num_attention_heads"] // n // kv * kv)
+  hidden = cut(cfg["hidden_size"])
+  return dict(out, hidden_size=hidden, intermediate_size=cut(cfg["intermediate_size"]),
+              num_hidden_layers=max(2, cfg["num_hidden_layers"] // n), num_attention_heads=heads,
+              num_key_value_heads=kv, head_dim=max(8, hidden // heads))
+
+
+def build(cfg: dict, directory: pathlib.Path, seed: int, dtype: str = "bfloat16"):
+  """(model, random params) of a config.json written to `directory`, built as a checkpoint of it
+  would be (hf_import, the backend's default layer layout)."""
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / "config.json").write_text(json.dumps(cfg))
+  model = hf_import.model_from_dir(directory, dtype, scan_layers=layouts.scan_layers("auto"))
+  return model, jax.block_until_ready(model.init_params(jax.random.PRNGKey(seed)))
+
+
+# ------------------------------------------------------------------------------ the knob
+
+
+@dataclasses.dataclass(frozen=True)
+class SetAcceptance(base.Rule):
+  """Accepts each draft token with probability alpha, whatever the models say; the next token is
+  the target's argmax. A benchmark's stand-in for agreement between random models: what it
+  costs per block is the greedy rule's."""
+  alpha: float = 0.8
+  traced: ClassVar[tuple[str, ...]] = ("alpha",)
+
+  def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
+    uniforms, _ = base.verify_streams(keys, draft_tokens.shape[1])
+    n = base.prefix_accepted(uniforms < self.alpha, draft_len)
+    return n, jnp.argmax(base.take_position(p_logp, n), -1).astype(jnp.int32), rule_state
+
+
+def expected_tau(alpha: float, gamma: int) -> float:
+  return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+# ------------------------------------------------------------------------------ the roofline
+
+
+def peaks(device_kind: str, override: str = "") -> tuple[float, float] | None:
+  """(bytes/s, FLOP/s) of the device: --peak 'TBps,TFLOPs' or the datasheet table (None: not
+  known, e.g. a CPU)."""
+  if override:
+    bw, fl = (float(x) for x in override.split(","))
+    return bw * 1e12, fl * 1e12
+  for prefix, (bw, fl) in sorted(PEAKS.items(), key=lambda kv: -len(kv[0])):
+    if device_kind.startswith(prefix):
+      return bw * 1e12, fl * 1e12
+  return None
+
+
+def _leaves(tree, skip: tuple[str, ...] = ()):
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    names = [getattr(k, "key", str(k)) for k in path]
+    if not any(s in names for s in skip):
+      yield names, leaf
+
+
+def step_cost(model, params, batch: int, positions: float) -> dict:
+  """What one decoding step of `batch` rows at `positions` cached entries must move and compute:
+  the weights it reads (an untied embedding table is gathered, B rows; T5's encoder is not run),
+  the filled KV cache, and 2 FLOPs per weight per row (matmuls) plus attention's 4 per cached
+  entry per head dim."""
+  cfg = model.config
+  skip = ("encoder",)
+  weights = matmul = 0
+  for names, leaf in _leaves(params, skip):
+    size, nbytes = int(np.prod(leaf.shape)), int(leaf.size * leaf.dtype.itemsize)
+    embedding = "embedding" in names
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    if embedding and not tied:
+      nbytes, size = nbytes * batch // max(leaf.shape[0], 1), 0
+    weights += nbytes
+    if leaf.ndim >= 2:
+      matmul += size
+  layers = getattr(cfg, "num_decoder_layers", None) or cfg.num_layers
+  kv_heads = getattr(cfg, "num_kv_heads", None) or cfg.num_heads
+  head_dim = getattr(cfg, "head_dim", None) or cfg.d_kv
+  itemsize = jnp.dtype(cfg.dtype).itemsize
+  cache = 2 * layers * kv_heads * head_dim * positions * batch * itemsize
+  attention = 4 * layers * cfg.num_heads * head_dim * positions * batch
+  return dict(weight_bytes=weights, cache_bytes=cache, flops=2 * matmul * batch + attention)
+
+
+def floor_s(cost: dict, peak: tuple[float, float] | None) -> float | None:
+  if peak is None:
+    return None
+  return max((cost["weight_bytes"] + cost["cache_bytes"]) / peak[0], cost["flops"] / peak[1])
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """How every case is run (the flags)."""
+  prompt_len: int = 128
+  new_tokens: int = 128
+  gammas: tuple[int, ...] = (3, 5, 7)
+  alpha: float = 0.8
+  repeats: int = 5
+  probe_steps: int = 32
+  seed: int = 0
+  profile: bool = False      # one target-alone and one speculative call under the profiler
+
+
+def prompts(model, batch: int, length: int, seed: int) -> Prompt:
+  """`batch` rows of `length` random ids (never pad 0)."""
+  rng = np.random.default_rng(seed)
+  rows = rng.integers(1, model.config.vocab_size, size=(batch, length)).tolist()
+  return prompting.batch(rows, 0, minimum=length)
+
+
+def peak_memory() -> int | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
+            peak: tuple[float, float] | None, say) -> dict:
+  """One case: the shape's pair at `batch` rows, target alone and speculative at every gamma."""
+  t_cfg, d_cfg = (scaled(c, scale) for c in SHAPES[name])
+  d_cfg = dict(d_cfg, vocab_size=t_cfg["vocab_size"])
+  start = time.perf_counter()
+  target, t_params = build(t_cfg, workdir / name / "target", run.seed)
+  draft, d_params = build(d_cfg, workdir / name / "draft", run.seed + 1)
+  init_s = time.perf_counter() - start
+  say(f"{name} b{batch}: random weights in {init_s:.1f} s")
+  prompt = prompts(target, batch, run.prompt_len, run.seed)
+  greedy, key = Warp(temperature=0.0), jax.random.PRNGKey(run.seed)
+  ar = lambda n: lambda: autoregressive.generate(target, t_params, prompt, key, max_new_tokens=n,
+                                                 warp=greedy, eos_id=None)
+  rule = SetAcceptance(alpha=run.alpha)
+  sd = lambda g, n: lambda: speculative.generate(
+      target, t_params, draft, d_params, prompt, key, rule=rule, gamma=g, max_new_tokens=n,
+      warp=greedy, eos_id=None)
+  calls = {("ar", run.new_tokens): ar(run.new_tokens), ("ar", 1): ar(1)}
+  gmax = max(run.gammas)
+  probes = timing.cost_probes(target, t_params, draft, d_params, prompt, prompt, rule, gmax,
+                              run.new_tokens, run.probe_steps, [g + 1 for g in run.gammas])
+  calls.update({("probe", k): fn for k, fn in probes.items()})
+  for g in run.gammas:
+    calls[("sd", g)] = sd(g, run.new_tokens)
+    calls[("sd1", g)] = sd(g, 1)
+  timed = timing.alternating(calls, run.repeats)
+  say(f"{name} b{batch}: timed {len(calls)} programs x {run.repeats}")
+  warm = _warm_compile(calls, timed)
+  per_step = lambda k: timed[("probe", k)][2] / run.probe_steps
+  t1, d1 = per_step("t1"), per_step("d1")
+  ar_step = (timed[("ar", run.new_tokens)][2] - timed[("ar", 1)][2]) / (run.new_tokens - 1)
+  positions = run.prompt_len + run.new_tokens / 2
+  cost = step_cost(target, t_params, batch, positions)
+  floor = floor_s(cost, peak)
+  record = dict(
+      case=case_key(name, batch, scale), shape=name, batch=batch, scale=scale,
+      target_params=_count(t_params), draft_params=_count(d_params),
+      target_layers=t_cfg.get("num_hidden_layers", t_cfg.get("num_layers")),
+      draft_layers=d_cfg.get("num_hidden_layers", d_cfg.get("num_layers")),
+      prompt_len=run.prompt_len, new_tokens=run.new_tokens, alpha=run.alpha,
+      init_s=init_s, ar_ms_per_step=1e3 * ar_step, target_step_ms=1e3 * t1,
+      draft_step_ms=1e3 * d1, cost_ratio=d1 / t1,
+      ar_first_token_ms=1e3 * timed[("ar", 1)][2],
+      floor_ms=None if floor is None else 1e3 * floor,
+      roofline_pct=None if floor is None else 100 * floor / ar_step,
+      step_roofline_pct=None if floor is None else 100 * floor / t1,
+      ar_compile_s=timed[("ar", run.new_tokens)][1], ar_warm_s=warm[("ar", run.new_tokens)],
+      **{k: v for k, v in cost.items()}, sd=[])
+  for g in run.gammas:
+    gen = timed[("sd", g)][0]
+    stats = results.aggregate(results.stats_rows(gen.stats, batch))
+    emitted = run.new_tokens - 1          # after the first token, per row
+    sd_s = (timed[("sd", g)][2] - timed[("sd1", g)][2]) / emitted
+    v = per_step(f"t{g + 1}") / t1
+    tau = stats.get("block_efficiency", 1.0)
+    record["sd"].append(dict(
+        gamma=g, ms_per_token=1e3 * sd_s, speedup=ar_step / sd_s, tau=tau,
+        expected_tau=expected_tau(run.alpha, g), alpha=stats.get("acceptance_rate", 0.0),
+        verify_cost_ratio=v, predicted_speedup=tau / (d1 / t1 * g + v),
+        compile_s=timed[("sd", g)][1], warm_s=warm[("sd", g)]))
+  record["peak_memory_gb"] = None if (m := peak_memory()) is None else m / 2**30
+  if run.profile:
+    g = run.gammas[len(run.gammas) // 2]
+    blocks = (run.new_tokens - 1) / max(record["sd"][len(run.gammas) // 2]["tau"], 1.0)
+    record["profile"] = dict(
+        ar=trace.profile(calls[("ar", run.new_tokens)], run.new_tokens - 1),
+        sd=dict(gamma=g, **(trace.profile(calls[("sd", g)], round(blocks)) or {})))
+    say(f"{name} b{batch}: profile {json.dumps(record['profile'])[:2000]}")
+  return record
+
+
+def _warm_compile(calls: dict, timed: dict) -> dict:
+  """Per program, the first call's excess over its median after the in-memory caches are
+  dropped: the program comes back from the persistent compilation cache (a warm start-up)."""
+  jax.clear_caches()
+  out = {}
+  for k, fn in calls.items():
+    if k[0] in ("ar", "sd"):
+      out[k] = max(timing.once(fn)[1] - timed[k][2], 0.0)
+  return out
+
+
+def _count(params) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def case_key(name: str, batch: int, scale: int) -> str:
+  return f"{name}/b{batch}/scale{scale}/{jax.devices()[0].device_kind}"
+
+
+def order(shapes: list[str], batches: list[int]) -> list[tuple[str, int]]:
+  """Cases by priority: every shape at the smallest batch first (the latency case), then the
+  next batch size, so that a short run yields the most important rows first."""
+  return [(s, b) for b in sorted(batches) for s in shapes]
+
+
+# ------------------------------------------------------------------------------ output
+
+
+COLUMNS = ("shape", "batch", "target_params", "draft_params", "ar_ms_per_step", "floor_ms",
+           "roofline_pct", "gamma", "tau", "cost_ratio", "verify_cost_ratio", "ms_per_token",
+           "speedup", "predicted_speedup", "ar_compile_s", "compile_s", "warm_s",
+           "peak_memory_gb")
+
+
+def table(records: list[dict]) -> str:
+  def fmt(v):
+    if v is None:
+      return "-"
+    if isinstance(v, float):
+      return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    if isinstance(v, int) and v >= 10**6:
+      return f"{v / 1e6:.0f}M"
+    return str(v)
+  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+  for r in records:
+    for s in r["sd"]:
+      row = {**r, **s}
+      lines.append("| " + " | ".join(fmt(row.get(c)) for c in COLUMNS) + " |")
+  return "\n".join(lines)
+
+
+def environment() -> dict:
+  """What a row was measured on: device, backend, jax version, commit."""
+  commit = os.environ.get("SPECJAX_COMMIT")     # a copy of the tree without its .git
+  with contextlib.suppress(OSError, subprocess.SubprocessError):
+    here = pathlib.Path(__file__).resolve().parent
+    commit = commit or subprocess.run(
+        ["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        timeout=10).stdout.strip() or None
+  d = jax.devices()[0]
+  return dict(device=d.device_kind, platform=d.platform, devices=jax.device_count(),
+              jax=jax.__version__, commit=commit)
+
+
+def load_done(path: pathlib.Path | None) -> list[dict]:
+  """The records of an earlier run of the same file (resuming), [] when there is none."""
+  if path is None or not path.is_file():
+    return []
+  try:
+    data = json.loads(path.read_text())
+  except (OSError, ValueError) as err:
+    raise ValueError(f"--output_json {path} holds no earlier eval.bench results ({err}): "
+                     f"choose another file or remove it") from None
+  if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+    raise ValueError(f"--output_json {path} is not an eval.bench results file: choose another "
+                     f"file or remove it")
+  return data["records"]
+
+
+def parse_args(argv):
+  p = cli.parser("python -m eval.bench", __doc__)
+  p.add_argument("--shapes", default=",".join(SHAPES),
+                 help=f"comma-separated, from {', '.join(SHAPES)}")
+  p.add_argument("--batches", default="1,8,32")
+  p.add_argument("--gammas", default="3,5,7")
+  p.add_argument("--alpha", type=float, default=0.8,
+                 help="probability that the knob accepts each draft token")
+  p.add_argument("--scale", type=int, default=1, help="divide every width and depth by N")
+  p.add_argument("--prompt_len", type=int, default=128)
+  p.add_argument("--new_tokens", type=int, default=128)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--probe_steps", type=int, default=32)
+  p.add_argument("--profile", action="store_true",
+                 help="profile the first case measured: device kernels per step, busy share")
+  p.add_argument("--peak", default="", help="'TBps,TFLOPs' of the device (default: datasheets)")
+  p.add_argument("--output_json", default="bench.json")
+  p.add_argument("--output_md")
+  args, rest = cli.parse(p, argv)
+  if rest:
+    p.error(f"unrecognized arguments: {' '.join(rest)}")
+  return args
+
+
+def check(args) -> tuple[list[str], list[int], tuple[int, ...]]:
+  shapes = [s for s in args.shapes.split(",") if s.strip()]
+  unknown = [s for s in shapes if s not in SHAPES]
+  if unknown or not shapes:
+    raise ValueError(f"--shapes {args.shapes!r}: choose from {', '.join(SHAPES)}")
+  batches = flags.parse_gammas(args.batches, "--batches")
+  gammas = flags.parse_gammas(args.gammas, "--gammas")
+  if not batches or not gammas:
+    raise ValueError("--batches and --gammas need at least one value each")
+  flags.check_counts(scale=args.scale, prompt_len=args.prompt_len, repeats=args.repeats,
+                     probe_steps=args.probe_steps, new_tokens=args.new_tokens - 1)
+  if not 0 <= args.alpha <= 1:
+    raise ValueError(f"--alpha {args.alpha}: a probability, in [0, 1]")
+  if args.peak:
+    try:
+      bw, fl = (float(x) for x in args.peak.split(","))
+      assert bw > 0 and fl > 0
+    except (ValueError, AssertionError):
+      raise ValueError(f"--peak {args.peak!r}: give 'TBps,TFLOPs', e.g. 3.35,989") from None
+  return shapes, batches, tuple(gammas)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+
+  def go():
+    shapes, batches, gammas = check(args)
+    out = flags.output_file(args.output_json, "--output_json")
+    md = flags.output_file(args.output_md, "--output_md")
+    records = load_done(out)
+    # Cold start-up is an empty compilation cache: a fresh one for this run.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-bench-")
+    cli.setup()
+    env = environment()
+    peak = peaks(env["device"], args.peak)
+    run = Run(prompt_len=args.prompt_len, new_tokens=args.new_tokens, gammas=gammas,
+              alpha=args.alpha, repeats=args.repeats, probe_steps=args.probe_steps,
+              profile=args.profile)
+    t0 = time.perf_counter()
+    say = lambda msg: print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", file=sys.stderr,
+                            flush=True)
+    say(f"{env['device']} ({env['platform']}), jax {env['jax']}, commit {env['commit']}; peaks "
+        f"{'unknown (no roofline)' if peak is None else f'{peak[0]/1e12:g} TB/s, {peak[1]/1e12:g} TFLOP/s'}")
+    done = {r["case"] for r in records}
+    with tempfile.TemporaryDirectory(prefix="specjax-bench-models-") as tmp:
+      for name, batch in order(shapes, batches):
+        if case_key(name, batch, args.scale) in done:
+          say(f"{name} b{batch}: in {out} already, skipped")
+          continue
+        records.append({**measure(name, batch, run, args.scale, pathlib.Path(tmp), peak, say),
+                        **env})
+        run = dataclasses.replace(run, profile=False)     # the first case measured only
+        if out:
+          outputs.write_json(out, dict(environment=env, records=records))
+        print(table(records[-1:]), flush=True)
+        jax.clear_caches()
+    if md:
+      outputs.write_text(md, table(records) + "\n")
+    return 0
+
+  return cli.run("eval.bench", go)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -14,13 +14,13 @@ cd "$(dirname "$0")/.."
 out=${1:-runs/gpu_check}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-accel() { python -c 'import jax, sys; sys.exit(jax.default_backend() == "cpu")' 2>/dev/null; }
+accel() { python3 -c 'import jax, sys; sys.exit(jax.default_backend() == "cpu")' 2>/dev/null; }
 if ! accel; then
   echo "== no accelerator visible to jax: installing the GPU extra"
-  python -m pip install -q -e ".[gpu,test]" || exit 1
+  python3 -m pip install -q -e ".[gpu,test]" || exit 1
   accel || { echo "jax still sees no accelerator: check the driver (nvidia-smi)"; exit 1; }
 fi
-python - <<'EOF'
+python3 - <<'EOF'
 import jax, jaxlib
 d = jax.devices()[0]
 print(f"== {d.device_kind} ({d.platform}) x{jax.device_count()}, jax {jax.__version__}, "
@@ -30,7 +30,7 @@ export SPECJAX_COMMIT=${SPECJAX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null
 echo "== commit ${SPECJAX_COMMIT:-unknown}"
 
 shapes=${SHAPES:-qwen-coder-1.5b,qwen2.5-7b,llama-3.1-8b,t5-xl}
-bench() { timeout "$1" python -m eval.bench --shapes "$shapes" --batches "$2" \
+bench() { timeout "$1" python3 -m eval.bench --shapes "$shapes" --batches "$2" \
             --output_json "$out/bench.json" --output_md "$out/bench.md" "${@:3}"; }
 start=$(date +%s)
 echo "== eval.bench, batch 1 (budget ${BENCH_S:-300} s in all)"
@@ -44,6 +44,6 @@ fi
 echo "== the test suite (budget ${SUITE_S:-300} s)"
 # Each pytest worker shares the one GPU: allocate as needed rather than 75% each.
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SUITE_S:-300}" \
-  python -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider --junitxml "$out/suite.xml" \
+  python3 -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider --junitxml "$out/suite.xml" \
   2>&1 | tee "$out/suite.log" | tail -n 40
 echo "== done: $out"

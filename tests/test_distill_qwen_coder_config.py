@@ -8,7 +8,7 @@ import pytest
 
 from specjax.app import builders
 from specjax.app.config import load_config
-from specjax.distill import trainer
+from specjax.distill import step
 
 
 def test_sections_are_typed():
@@ -28,7 +28,7 @@ def test_sections_are_typed():
 
 def test_the_draft_is_evaluated_before_two_full_updates():
   cfg = builders.train_config(load_config("distill_qwen_coder.py", []))
-  schedule = trainer.paper_schedule(cfg.learning_rate, cfg.steps, cfg.warmup_steps,
-                                    cfg.decay_start, cfg.final_lr_ratio)
+  schedule = step.paper_schedule(cfg.learning_rate, cfg.steps, cfg.warmup_steps,
+                                 cfg.decay_start, cfg.final_lr_ratio)
   assert cfg.eval_at_start                       # step 0's record: the draft as fetched
   assert float(schedule(0)) == pytest.approx(cfg.learning_rate) == float(schedule(1))

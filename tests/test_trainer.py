@@ -16,12 +16,13 @@ import pytest
 
 from specjax import checkpoint, sharding, testing
 from specjax.distill import data, evals, trainer
+from specjax.distill import step as step_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_paper_schedule_values():
-  schedule = trainer.paper_schedule(3e-4, 300_000, 5_000, 150_000, 0.1)
+  schedule = step_lib.paper_schedule(3e-4, 300_000, 5_000, 150_000, 0.1)
   steps = [0, 2_500, 5_000, 150_000, 225_000, 300_000]
   expected = [0.0, 1.5e-4, 3e-4, 3e-4, 1.65e-4, 3e-5]
   np.testing.assert_allclose([float(schedule(s)) for s in steps], expected, rtol=1e-5, atol=1e-12)
@@ -47,11 +48,12 @@ def test_distillation_lowers_on_policy_tvd(tmp_path):
   ticks = []
   tr = trainer.Trainer(cfg, student, teacher, source, tmp_path, eos_id=1, model_desc=repr(student),
                        tick=ticks.append)
-  hook = evals.on_policy_eval(tr, source.batch(0, split="validation"), tp, jax.random.PRNGKey(3))
-  tr.eval_fn = hook
-  before = hook(0, tr.init_state(sp))["eval_tvd"]
-  state = tr.run(sp, tp)
-  after = hook(24, state)["eval_tvd"]
+  sampler = data.Sampler(student, teacher, eos_id=1)
+  hook = evals.on_policy_eval(sampler, tr.place_batch(source.batch(0, split="validation")),
+                              tr.place_params(tp), jax.random.PRNGKey(3))
+  before = hook(0, sp)["eval_tvd"]
+  state = tr.run(sp, tp, evaluate=hook)
+  after = hook(24, state.params)["eval_tvd"]
   print(f"on-policy TVD {before:.4f} -> {after:.4f}")
   assert after < 0.8 * before, (before, after)
   assert tr.steps_run == 24 and [t["step"] for t in ticks] == list(range(1, 25))
@@ -78,19 +80,18 @@ def test_speculative_eval_measures_the_loop():
   prompts and key at every evaluation make the numbers comparable across steps."""
   teacher, tp, student, sp = models()
   source = data.MarkovSource(vocab_size=32, batch_size=8, prompt_len=4, target_len=8)
-  cfg = trainer.TrainConfig(steps=1, batch_size=8, progress=False)
   settings = evals.SpecEval(gamma=3, max_new_tokens=9)
   prompts = evals.heldout_prompts(source, 4)
   assert prompts.tokens.shape == (4, 4)
-  twin = trainer.Trainer(cfg, teacher, teacher, source, "/nonexistent", eos_id=1)
-  same = evals.speculative_eval(twin, prompts, tp, jax.random.PRNGKey(0), settings)
-  result = same(0, trainer.TrainState(step=0, params=tp, opt_state=None, rng=None))
+  mesh = sharding.make_mesh(-1, 1)
+  same = evals.speculative_eval(teacher, teacher, prompts, tp, jax.random.PRNGKey(0), settings,
+                                eos_id=1, mesh=mesh)
+  result = same(0, tp)
   assert result["eval_alpha"] == 1.0            # blocks of 1 + 4 + 4 tokens; rows may hit EOS
   assert 2.5 < result["eval_tau"] <= 3.0
-  tr = trainer.Trainer(cfg, student, teacher, source, "/nonexistent", eos_id=1)
-  hook = evals.speculative_eval(tr, prompts, tp, jax.random.PRNGKey(0), settings)
-  state = trainer.TrainState(step=0, params=sp, opt_state=None, rng=None)
-  first, again = hook(0, state), hook(0, state)
+  hook = evals.speculative_eval(teacher, student, prompts, tp, jax.random.PRNGKey(0), settings,
+                                eos_id=1, mesh=mesh)
+  first, again = hook(0, sp), hook(0, sp)
   assert first == again and 0.0 < first["eval_alpha"] < 1.0 and 1.0 <= first["eval_tau"] < 3.0
   with pytest.raises(ValueError, match="9 eval prompts asked for but a batch holds 8"):
     evals.heldout_prompts(source, 9)

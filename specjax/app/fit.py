@@ -13,8 +13,9 @@ import jax
 from specjax import checkpoint as ckpt_lib
 from specjax.app import builders, outputs
 from specjax.app.config import ConfigError
-from specjax.distill import evals, sources
+from specjax.distill import data, evals, sources
 from specjax.distill import trainer as trainer_lib
+from specjax.distill.metrics_log import format_record
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,10 @@ def _fit(config, cfg, workdir: Path, student, teacher, display, source):
                                 pad_id=spec.pad_id, model_desc=repr(model),
                                 show=display.show if display else None,
                                 tick=display.tick if display else None)
+  evaluate = None
   if (cfg.eval_every or cfg.eval_at_start) and t_model is not None:
-    trainer.eval_fn = eval_hooks(config, cfg, trainer, source, t_params)
-  state = trainer.run(params, t_params)
+    evaluate = eval_hooks(config, cfg, trainer, source, t_params)
+  state = trainer.run(params, t_params, evaluate=evaluate)
   # Exported when trained, or when a run that reached `steps` was killed before its export.
   if trainer.steps_run or (int(state.step) == cfg.steps and not (workdir / "params").exists()):
     ckpt_lib.save_params(workdir, state.params)
@@ -101,7 +103,8 @@ def open_source(spec: builders.DataSpec, batch_size: int):
 def eval_hooks(config, cfg, trainer, source, teacher_params):
   """Every eval_every steps: the on-policy TVD on a held-out batch (predicted acceptance) and
   alpha / tau of exact speculative decoding on `train.eval_prompts` held-out prompts, with gamma,
-  max_new_tokens and temperature from the `decode` section."""
+  max_new_tokens and temperature from the `decode` section. The hooks get the models, data placed
+  by `trainer` and its mesh, and are called with the params (`trainer.run(..., evaluate=)`)."""
   decode = builders.decode_settings(config)
   settings = evals.SpecEval(gamma=decode.gamma, max_new_tokens=decode.max_new_tokens,
                             temperature=decode.temperature, prompts=cfg.eval_prompts)
@@ -110,10 +113,15 @@ def eval_hooks(config, cfg, trainer, source, teacher_params):
     prompts = evals.heldout_prompts(source, cfg.eval_prompts)
   except ValueError as err:
     raise ConfigError(f"--config.train.eval_prompts={cfg.eval_prompts}: {err}") from err
+  teacher_params = trainer.place_params(teacher_params)
+  sampler = data.Sampler(trainer.student, trainer.teacher, trainer.eos_id, cfg.temperature,
+                         trainer.pad_id)
+  held_out = trainer.place_batch(source.batch(0, split="validation"))
   return evals.combine(
-      evals.on_policy_eval(trainer, source.batch(0, split="validation"), teacher_params, key),
-      evals.speculative_eval(trainer, prompts, teacher_params, jax.random.fold_in(key, 1),
-                             settings))
+      evals.on_policy_eval(sampler, held_out, teacher_params, key),
+      evals.speculative_eval(trainer.teacher, trainer.student, prompts, teacher_params,
+                             jax.random.fold_in(key, 1), settings, eos_id=trainer.eos_id,
+                             mesh=trainer.mesh))
 
 
 class ProgressDisplay:
@@ -130,6 +138,7 @@ class ProgressDisplay:
     self.total = total
     self.live = bool(getattr(self.stream, "isatty", lambda: False)())
     self.step_s = self.rate = None            # moving averages of the step time and tokens/s
+    self.loss = None                          # the last record's
     self.progress = self._start_bar() if self.live else None
     self._logs = _LogRoute(self._print if self.live else None)
 
@@ -153,17 +162,22 @@ class ProgressDisplay:
 
   def show(self, record: dict) -> None:
     """A logged metrics record: one line."""
-    self._print(trainer_lib.format_record(record))
+    self._print(format_record(record))
 
   def tick(self, info: dict) -> None:
-    """Every step: step, total, loss, step_s, tokens -> the bar's fields."""
-    self.step_s = _average(self.step_s, info["step_s"])
-    self.rate = _average(self.rate, info["tokens"] / max(info["step_s"], 1e-9))
+    """Every step: step, total -> the bar's position; at records (the trainer reads the device
+    there only) also loss, step_s, tokens -> its stats, kept until the next record."""
+    if "loss" in info:
+      self.loss = info["loss"]
+      self.step_s = _average(self.step_s, info["step_s"])
+      self.rate = _average(self.rate, info["tokens"] / max(info["step_s"], 1e-9))
     if not self.live:
       return
-    eta = (info["total"] - info["step"]) * self.step_s
-    stats = f"loss {info['loss']:.4g} | {_si(self.rate)} tok/s | ETA {_clock(eta)}"
-    self.progress.update(self.task, completed=info["step"], stats=stats)
+    update = {"completed": info["step"]}
+    if self.step_s is not None:
+      eta = (info["total"] - info["step"]) * self.step_s
+      update["stats"] = f"loss {self.loss:.4g} | {_si(self.rate)} tok/s | ETA {_clock(eta)}"
+    self.progress.update(self.task, **update)
 
   def close(self) -> None:
     if self.live:

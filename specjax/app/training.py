@@ -25,6 +25,7 @@ from specjax.app import builders, outputs, resolve
 from specjax.app.config import ConfigError
 from specjax.app.fit import ProgressDisplay, check_workdir, fit, open_source, train_flag
 from specjax.distill import trainer as trainer_lib
+from specjax.distill.metrics_log import count_text
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,6 @@ def build(config, role: str, seed: int):
   started = time.perf_counter()
   model, params = resolve.build_model(spec, seed)
   jax.block_until_ready(params)                # init is dispatched asynchronously: time all of it
-  count = trainer_lib.count_text(sharding.num_params(params))
+  count = count_text(sharding.num_params(params))
   log.info("%s ready: %s params in %.1fs", role, count, time.perf_counter() - started)
   return model, params

@@ -6,7 +6,9 @@
   loop itself (`decoding.speculative.generate`, the exact rule, the teacher as target and the
   student as draft) on a few held-out prompts, with the same key at every evaluation.
 
-A hook is `hook(step, state) -> dict` of scalars; `combine` runs several as one.
+A hook is `hook(step, params) -> dict` of scalars (params: the student's, as trained so far);
+`combine` runs several as one. Hooks are built from what they use (models, samplers, data already
+placed on the mesh), never from the trainer.
 """
 
 from __future__ import annotations
@@ -29,16 +31,14 @@ from specjax.sampling import Warp
 Hook = Callable[[int, object], dict]
 
 
-def on_policy_eval(trainer, batch, teacher_params, key) -> Hook:
-  """eval_tvd / eval_accept on student samples of `batch` (a global batch of the train shape)."""
-  sampler = data_lib.Sampler(trainer.student, trainer.teacher, trainer.eos_id,
-                             trainer.cfg.temperature, trainer.pad_id)
-  batch = trainer.place_batch(batch)
-  teacher_params = trainer.place_params(teacher_params)
+def on_policy_eval(sampler: data_lib.Sampler, batch, teacher_params, key) -> Hook:
+  """eval_tvd / eval_accept on student samples of `batch` (a batch of the train shape, placed as
+  the trainer places its batches; `teacher_params` placed likewise). The sampler names the pair."""
+  student, teacher = sampler.student, sampler.teacher
 
-  def hook(step: int, state) -> dict:
-    sampled = sampler(data_lib.STUDENT, batch, state.params, teacher_params, key)
-    value = float(_tvd(trainer.student, trainer.teacher, state.params, teacher_params, sampled))
+  def hook(step: int, params) -> dict:
+    sampled = sampler(data_lib.STUDENT, batch, params, teacher_params, key)
+    value = float(_tvd(student, teacher, params, teacher_params, sampled))
     return {"eval_tvd": value, "eval_accept": 1.0 - value}
   return hook
 
@@ -67,19 +67,18 @@ def heldout_prompts(source, rows: int) -> Prompt:
   return Prompt(tokens=prompt.tokens[:rows], lengths=prompt.lengths[:rows])
 
 
-def speculative_eval(trainer, prompts: Prompt, teacher_params, key, settings: SpecEval) -> Hook:
+def speculative_eval(teacher, student, prompts: Prompt, teacher_params, key, settings: SpecEval,
+                     *, eos_id: int, mesh) -> Hook:
   """eval_alpha / eval_tau of exact speculative decoding, teacher verifying the student's drafts.
-  The prompts are replicated over the mesh (every host holds the same ones)."""
+  The prompts are replicated over `mesh` (every host holds the same ones)."""
   rule = registry.get("exact")
-  prompts = jax.device_put(prompts, sharding.replicated(trainer.mesh))
-  teacher_params = trainer.place_params(teacher_params)
+  prompts = jax.device_put(prompts, sharding.replicated(mesh))
   warp = Warp(temperature=settings.temperature)
 
-  def hook(step: int, state) -> dict:
-    gen = speculative.generate(trainer.teacher, teacher_params, trainer.student, state.params,
-                               prompts, key, rule=rule, gamma=settings.gamma,
-                               max_new_tokens=settings.max_new_tokens, warp=warp,
-                               eos_id=trainer.eos_id)
+  def hook(step: int, params) -> dict:
+    gen = speculative.generate(teacher, teacher_params, student, params, prompts, key, rule=rule,
+                               gamma=settings.gamma, max_new_tokens=settings.max_new_tokens,
+                               warp=warp, eos_id=eos_id)
     return {"eval_alpha": gen.stats.alpha(), "eval_tau": gen.stats.tau()}
   return hook
 
@@ -90,9 +89,9 @@ def combine(*hooks: Hook | None) -> Hook | None:
   if not live:
     return None
 
-  def hook(step: int, state) -> dict:
+  def hook(step: int, params) -> dict:
     out = {}
     for h in live:
-      out.update(h(step, state))
+      out.update(h(step, params))
     return out
   return hook

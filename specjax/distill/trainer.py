@@ -1,22 +1,25 @@
-"""DistillSpec / pretraining trainer: one pure `train_step`, jitted with shardings over the mesh.
+"""DistillSpec / pretraining loop: the pure step (`distill.step`) jitted with shardings over the
+mesh, driven step by step with checkpoints, records, evals and Ctrl-C.
 
 The same step serves distillation (a teacher and a divergence loss) and pretraining/fine-tuning
 (no teacher, the NLL loss). Data per step follows Alg. A.2 (`distill.data`). Params and optimizer
 state are placed by `specjax.sharding`'s rules table; batches are split over 'data' and, on a pod,
 each host feeds only its rows. Checkpoints (Orbax) make a killed run resume exactly.
 
+Steps are dispatched without waiting for the device: the host reads it only where it must, at a
+record (the first step, every log_every steps, evals, the last step) and before a checkpoint. There
+the state's divergence record (`step.TrainState.bad_step`) is read: a step whose loss, gradient
+norm or params were not finite raises `TrainingDivergedError` naming that step, and nothing from
+it on is saved. A record's metrics are those of its step; its tokens/s and seconds per step are
+measured over the steps since the last record (`metrics_log.Interval`), and the step before a record
+waits for each phase (data, on-policy generation, update), so its phase split is real time.
+
 Progress goes to the log from the first second: the state's initialisation, each compilation of
 the update step (ahead of time, once per batch shape) and each first generation (which compiles the
-sampler), with their times. Every step is timed by phase (data, on-policy generation, update;
-each phase waits for its device work, so the split is real time), and each logged record carries
-the window's tokens/s, per-phase seconds and MFU (`throughput`). The first step is always logged.
-On a cold start the update step compiles in a background thread while the first on-policy batch
-is generated (and the sampler compiled).
-
-A step whose loss, gradient norm or params are not finite raises `TrainingDivergedError` before
-anything of it is saved; Ctrl-C ends the current step, checkpoints it and raises
-`TrainingInterrupted`; a resumed run marks metrics.jsonl and drops the records of the steps it
-is about to train again.
+sampler), with their times. On a cold start the update step compiles in a background thread while
+the first on-policy batch is generated (and the sampler compiled). Ctrl-C ends the current step,
+checkpoints it and raises `TrainingInterrupted`; a resumed run marks metrics.jsonl and drops the
+records of the steps it is about to train again.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import math
 import signal
@@ -33,29 +35,22 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from specjax import checkpoint as ckpt_lib
 from specjax import sharding
-from specjax.data.cache import atomic_write_bytes
 from specjax.distill import data as data_lib
 from specjax.distill import losses as losses_lib
+from specjax.distill import step as step_lib
 from specjax.distill import throughput
-from specjax.models import score
+from specjax.distill.metrics_log import Interval, MetricsLog, count_text
+from specjax.distill.step import TrainState
 
 log = logging.getLogger(__name__)
 
-
-@flax.struct.dataclass(kw_only=True)
-class TrainState:
-  step: jax.Array          # [] int32, completed steps
-  params: Any              # student params
-  opt_state: Any           # optax state (mirrors params)
-  rng: jax.Array           # [2] uint32, base key; step keys are fold_in(rng, step)
+Evaluate = Callable[[int, Any], dict]     # (steps done, student params) -> scalars to record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,74 +95,6 @@ class TrainConfig:
     for name in ("checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-def paper_schedule(peak: float, total: int, warmup: int, decay_start: int,
-                   final_ratio: float = 0.1) -> optax.Schedule:
-  """Table B.1: linear 0 -> peak over `warmup`, constant to `decay_start`, cosine to final_ratio.
-
-  Paper values (3e-4, 300k, 5k, 150k): steps 0, 2.5k, 5k, 150k, 225k, 300k ->
-  0, 1.5e-4, 3e-4, 3e-4, 1.65e-4, 3e-5.
-  """
-  decay_start = max(decay_start, warmup)
-  return optax.join_schedules(
-      [optax.linear_schedule(0.0, peak, max(warmup, 1)),
-       optax.constant_schedule(peak),
-       optax.cosine_decay_schedule(peak, max(total - decay_start, 1), alpha=final_ratio)],
-      boundaries=[warmup, decay_start])
-
-
-def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  schedule = paper_schedule(cfg.learning_rate, cfg.steps, cfg.warmup_steps, cfg.decay_start,
-                            cfg.final_lr_ratio)
-  if cfg.optimizer == "adafactor":
-    return optax.adafactor(schedule, multiply_by_parameter_scale=cfg.param_scale), schedule
-  if cfg.optimizer == "adamw":
-    return optax.adamw(schedule), schedule
-  raise ValueError(f"unknown optimizer '{cfg.optimizer}'; use adafactor or adamw")
-
-
-def train_step(state: TrainState, batch, teacher_params, *, student, teacher, loss, optimizer,
-               schedule):
-  """One optimizer step on `batch` (pure). Returns (new state, metrics dict of scalars)."""
-  prompt, targets, mask = batch.prompt, batch.targets, batch.mask
-  teacher_logits = None
-  if teacher is not None:
-    teacher_logits = jax.lax.stop_gradient(score(teacher, teacher_params, prompt, targets)[0])
-
-  def loss_fn(params):
-    student_logits, _ = score(student, params, prompt, targets)            # [B, L, V]
-    return loss(student_logits, teacher_logits, targets, mask), student_logits
-
-  (value, student_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": value, "lr": schedule(state.step), "tokens": jnp.sum(mask),
-             "grad_norm": optax.tree.norm(grads), PARAMS_FINITE: all_finite(params)}
-  if teacher_logits is not None:
-    tvd = jnp.mean(losses_lib.tvd(student_logits, teacher_logits, mask))
-    metrics.update(tvd=tvd, accept=1.0 - tvd)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-  return new_state, metrics
-
-
-PARAMS_FINITE = "params_finite"      # a check of the step, not a logged metric
-
-
-def all_finite(tree) -> jax.Array:
-  """[] bool: every element of every leaf is finite."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
-
-
-def non_finite_quantity(metrics: dict) -> str | None:
-  """What of a step's results is nan or inf ('loss', 'gradient norm', 'params'), or None."""
-  if not math.isfinite(float(metrics["loss"])):
-    return "loss"
-  if not math.isfinite(float(metrics["grad_norm"])):
-    return "gradient norm"
-  if not bool(metrics[PARAMS_FINITE]):
-    return "params"
-  return None
 
 
 class TrainingDivergedError(ValueError):
@@ -227,74 +154,6 @@ def check_vocab(student, teacher) -> None:
         f"tokenizer (same vocab_size), or the cross-vocabulary rules for decoding only.")
 
 
-class MetricsLog:
-  """metrics.jsonl (one JSON per logged step), and each record to `show` (default: the log);
-  process 0 only. The app layer passes a progress display as `show`."""
-
-  def __init__(self, workdir: Path, show: Callable[[dict], None] | None = None):
-    self.active = jax.process_index() == 0
-    self.path = Path(workdir) / "metrics.jsonl"
-    self.show = show or (lambda record: log.info("%s", format_record(record)))
-
-  def write(self, step: int, metrics: dict) -> None:
-    if not self.active:
-      return
-    record = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
-    self._append(record)
-    self.show(record)
-
-  def resume(self, step: int) -> None:
-    """A run resuming from the checkpoint of `step`: the records of later steps (logged before
-    the previous run stopped, and about to be trained again) and any half-written last line are
-    dropped, and {"event": "resume", "step": step} marks the place."""
-    if not self.active:
-      return
-    kept = []
-    if self.path.exists():
-      for line in self.path.read_text().splitlines():
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError:          # the last line of a killed run
-          continue
-        if record.get("step", 0) <= step:
-          kept.append(line + "\n")
-    atomic_write_bytes(self.path, "".join(kept).encode())
-    self._append({"event": "resume", "step": int(step)})
-
-  def _append(self, record: dict) -> None:
-    with self.path.open("a") as f:            # one short line per append: written whole
-      f.write(json.dumps(record, allow_nan=False) + "\n")
-
-
-FIRST_FIELDS = ("step", "loss", "source")
-
-
-def format_record(record: dict) -> str:
-  """One console line: step, loss and source first, then the rest in the record's order."""
-  keys = [k for k in FIRST_FIELDS if k in record] + [k for k in record if k not in FIRST_FIELDS]
-  return " ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
-                  for k in keys)
-
-
-def count_text(n: float) -> str:
-  """12345678 -> '12.3M' (parameter counts in log lines)."""
-  for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-    if n >= scale:
-      return f"{n / scale:.3g}{unit}"
-  return f"{n:.0f}"
-
-
-def _scalar(v):
-  """A JSON value: strings kept, ints and bools plain, floats plain or None when not finite
-  (strict JSON has no NaN)."""
-  if isinstance(v, str):
-    return v
-  v = np.asarray(v)
-  if v.dtype.kind in "iub":
-    return v.item()
-  return float(v) if np.isfinite(v) else None
-
-
 class PhaseClock:
   """Seconds per phase of one step; `with clock("update"): ...` adds the block's wall time."""
 
@@ -308,6 +167,29 @@ class PhaseClock:
       yield
     finally:
       self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+
+class EvalSchedule:
+  """When `evaluate(step, params)` runs (every `every` steps; before the first step too with
+  `at_start`), each run logged with its time. `evaluate` None: never."""
+
+  def __init__(self, evaluate: Evaluate | None, every: int, at_start: bool):
+    self.evaluate, self.every, self.at_start = evaluate, every, at_start
+    self._evaluated = False
+
+  def due(self, done: int) -> bool:
+    return self.evaluate is not None and self.every > 0 and done % self.every == 0
+
+  def before_training(self) -> bool:
+    return self.evaluate is not None and self.at_start
+
+  def __call__(self, done: int, params) -> dict:
+    started = time.perf_counter()
+    extra = self.evaluate(done, params)
+    first = " (the first evaluation compiles it)" if not self._evaluated else ""
+    self._evaluated = True
+    log.info("evaluated at step %d in %.1fs%s", done, time.perf_counter() - started, first)
+    return extra
 
 
 def batch_shape(batch) -> tuple[int, int, int]:
@@ -331,10 +213,10 @@ class Trainer:
   eos_id: int
   pad_id: int = 0
   model_desc: str = ""
-  eval_fn: Callable[[int, TrainState], dict] | None = None
   mesh: Any = None
   show: Callable[[dict], None] | None = None   # each logged record (default: the log)
-  tick: Callable[[dict], None] | None = None   # every step: step, total, loss, step_s
+  tick: Callable[[dict], None] | None = None   # every step: step, total; at records also loss,
+                                               # step_s (the interval's mean), tokens
 
   def __post_init__(self):
     cfg = self.cfg
@@ -345,25 +227,27 @@ class Trainer:
     self.loss = losses_lib.get(cfg.loss, cfg.beta if cfg.loss == "jsd" else None)
     if self.loss.needs_teacher and self.teacher is None:
       raise ValueError(f"loss '{cfg.loss}' needs a teacher; pretraining uses loss=nll")
-    self.optimizer, self.schedule = make_optimizer(cfg)
+    self.optimizer, self.schedule = step_lib.make_optimizer(cfg)
     self.mixture = data_lib.Mixture(cfg.lambda1, cfg.lambda2, cfg.temperature, cfg.seed)
     self.sampler = (data_lib.Sampler(self.student, self.teacher, self.eos_id, cfg.temperature,
                                      self.pad_id) if self.mixture.needs_generation else None)
     self.steps_run = 0                 # steps trained by the last `run`
+    self.records_at: Callable[[int], bool] = lambda done: True   # set by the loop
     self._updates: dict[tuple, Any] = {}
     self._sampled: set[tuple] = set()
-    self._evaluated = False
 
   # -- placement -------------------------------------------------------------------------------
   def state_shardings(self, state: TrainState):
     p_sh = sharding.param_shardings(state.params, self.mesh)
     o_sh = sharding.opt_state_shardings(state.opt_state, state.params, self.mesh)
     rep = sharding.replicated(self.mesh)
-    return TrainState(step=rep, params=p_sh, opt_state=o_sh, rng=rep)
+    return TrainState(step=rep, params=p_sh, opt_state=o_sh, rng=rep, bad_step=rep,
+                      bad_quantity=rep)
 
   def _build_state(self, params) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self.optimizer.init(params), rng=jax.random.PRNGKey(self.cfg.seed))
+                      opt_state=self.optimizer.init(params), rng=jax.random.PRNGKey(self.cfg.seed),
+                      **step_lib.healthy())
 
   def init_state(self, params) -> TrainState:
     """Fresh state from the student's initial params, placed on the mesh."""
@@ -392,7 +276,7 @@ class Trainer:
 
   def compiled_step(self, state: TrainState, batch, teacher_params):
     """`train_step` jitted with the mesh's shardings (the state is donated)."""
-    fn = functools.partial(train_step, student=self.student, teacher=self.teacher, loss=self.loss,
+    fn = functools.partial(step_lib.train_step, student=self.student, teacher=self.teacher, loss=self.loss,
                            optimizer=self.optimizer, schedule=self.schedule)
     state_sh = self.state_shardings(state)
     batch_sh = jax.tree_util.tree_map(lambda _: sharding.batch_sharding(self.mesh), batch)
@@ -433,9 +317,10 @@ class Trainer:
     return compiled
 
   # -- one step --------------------------------------------------------------------------------
-  def sampled_batch(self, step: int, batch, state: TrainState, teacher_params):
-    """Alg. A.2's batch for `step` (dataset, student or teacher outputs), waited for; the first
-    generation of each model and shape (which compiles the sampler) is logged with its time."""
+  def sampled_batch(self, step: int, batch, state: TrainState, teacher_params, wait=None):
+    """Alg. A.2's batch for `step` (dataset, student or teacher outputs), passed through `wait`;
+    the first generation of each model and shape (which compiles the sampler) is waited for and
+    logged with its time."""
     source = self.mixture.source(step)
     first = source != data_lib.FIXED and (source, _shape_key(batch)) not in self._sampled
     started = time.perf_counter()
@@ -447,25 +332,31 @@ class Trainer:
     key = jax.random.fold_in(state.rng, step)
     batch, source = data_lib.mixed_batch(self.mixture, self.sampler, step, batch, state.params,
                                          teacher_params, key)
-    jax.block_until_ready(batch)
     if first:
+      jax.block_until_ready(batch)
       log.info("first %s-sampled batch ready in %.1fs", source, time.perf_counter() - started)
-    return batch, source
+    return (wait or _dispatched)(batch), source
 
   def one_step(self, step: int, state: TrainState, teacher_params):
-    """Data -> generation -> update for `step`, each phase timed to its end on the device.
-    Returns (state, metrics, the batch's source, seconds per phase, (rows, prompt, target))."""
+    """Data -> generation -> update for `step`, dispatched. The step before a record
+    (`records_at`) first waits for the device's backlog ('backlog' seconds), then for each phase,
+    so that its split is real time. Returns (state, metrics as device arrays, the batch's source,
+    seconds per phase, (rows, prompt, target))."""
+    synced = self.records_at(step + 1)
+    wait = jax.block_until_ready if synced else _dispatched
     clock = PhaseClock()
+    if synced:
+      with clock("backlog"):
+        jax.block_until_ready(state)
     with clock("data"):
-      batch = jax.block_until_ready(self.place_batch(self.source.batch(step)))
+      batch = wait(self.place_batch(self.source.batch(step)))
     if self.mixture.source(step) != data_lib.FIXED:
       self.compile_ahead(state, batch, teacher_params)
     with clock("generate"):
-      batch, source = self.sampled_batch(step, batch, state, teacher_params)
+      batch, source = self.sampled_batch(step, batch, state, teacher_params, wait)
     update = self.update_for(state, batch, teacher_params)
     with clock("update"):
-      state, metrics = update(state, batch, teacher_params)
-      jax.block_until_ready(metrics)
+      state, metrics = wait(update(state, batch, teacher_params))
     return state, metrics, source, clock.seconds, batch_shape(batch)
 
   # -- the loop --------------------------------------------------------------------------------
@@ -476,19 +367,25 @@ class Trainer:
         abstract, self.state_shardings(abstract))
 
   def resume_or_init(self, ckpt: ckpt_lib.Checkpointer, params) -> TrainState:
-    """The latest checkpoint of this workdir if any (a run resumes by default), else fresh."""
+    """The latest checkpoint of this workdir if any (a run resumes by default), else fresh. Only
+    checked states are saved, so a restored one starts with no divergence recorded."""
     restored = ckpt.restore(_as_dict(self.abstract_state(params)))
     if restored is None:
       return self.init_state(params)
     state, meta = restored
     if jax.process_index() == 0:
       log.info("resuming from %s at step %d", ckpt.workdir, meta["step"])
-    return TrainState(**state)
+    healthy = jax.device_put(step_lib.healthy(), sharding.replicated(self.mesh))
+    return TrainState(**state, **healthy)
 
   def run(self, student_params, teacher_params=None,
-          on_step: Callable[[int, TrainState], None] | None = None) -> TrainState:
+          on_step: Callable[[int, TrainState], None] | None = None,
+          evaluate: Evaluate | None = None) -> TrainState:
     """Train from the workdir's latest checkpoint (or from `student_params`) to cfg.steps. A
-    checkpoint already at or past cfg.steps leaves everything as it is (`steps_run` == 0)."""
+    checkpoint already at or past cfg.steps leaves everything as it is (`steps_run` == 0).
+    evaluate(step, params) -> dict: recorded every cfg.eval_every steps (and before the first
+    step with cfg.eval_at_start). on_step(step, state): after each step (the state may not be
+    computed yet; reading it waits)."""
     cfg = self.cfg
     self.steps_run = 0
     signature = ckpt_lib.ModelSignature.of(student_params, self.model_desc)
@@ -496,17 +393,18 @@ class Trainer:
                                  keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoint)
     try:
       state = self.resume_or_init(ckpt, student_params)
-      if int(state.step) >= cfg.steps:
-        self._nothing_to_do(ckpt, int(state.step))
+      first = int(jax.device_get(state.step))
+      if first >= cfg.steps:
+        self._nothing_to_do(ckpt, first)
         return state
       flops = throughput.FlopModel(
           throughput.ParamCount.of(student_params),
           None if teacher_params is None else throughput.ParamCount.of(teacher_params))
-      self._announce(state, flops)
+      self._announce(first, flops)
+      evals = EvalSchedule(evaluate, cfg.eval_every, cfg.eval_at_start)
       with StopRequest().installed() as stop:
-        state = self._loop(state, ckpt, self.place_params(teacher_params), flops, on_step, stop)
-      if ckpt.latest_step() != cfg.steps:
-        ckpt.save(cfg.steps, _as_dict(state), self._meta(cfg.steps), force=True)
+        state = self._loop(state, first, ckpt, self.place_params(teacher_params), flops,
+                           on_step, stop, evals)
     finally:
       ckpt.close()
     return state
@@ -521,73 +419,78 @@ class Trainer:
   def _meta(self, step: int) -> dict:
     return {"model": self.model_desc, "config": dataclasses.asdict(self.cfg), "data_step": step}
 
-  def _announce(self, state: TrainState, flops: throughput.FlopModel) -> None:
+  def _announce(self, first: int, flops: throughput.FlopModel) -> None:
     cfg = self.cfg
     teacher = f", teacher {count_text(flops.teacher.total)} params" if flops.teacher else ""
     log.info("training steps %d..%d: student %s params%s, batch %d, loss %s, mixture "
-             "lambda1=%g lambda2=%g, on %d x %s", int(state.step) + 1, cfg.steps,
+             "lambda1=%g lambda2=%g, on %d x %s", first + 1, cfg.steps,
              count_text(flops.student.total), teacher, cfg.batch_size, cfg.loss, cfg.lambda1,
              cfg.lambda2, self.mesh.devices.size, jax.devices()[0].device_kind)
 
-  def _loop(self, state: TrainState, ckpt, teacher_params, flops, on_step,
-            stop: StopRequest) -> TrainState:
-    """Steps first+1..cfg.steps, each logged, checkpointed and checked: a non-finite step raises
-    TrainingDivergedError before anything of it is saved; after a Ctrl-C the step in progress
-    ends, is checkpointed, and TrainingInterrupted is raised."""
-    cfg, first = self.cfg, int(state.step)
+  def _loop(self, state: TrainState, first: int, ckpt, teacher_params, flops, on_step,
+            stop: StopRequest, evals: EvalSchedule) -> TrainState:
+    """Steps first+1..cfg.steps, then the last one saved. The host reads the device at records
+    and before saves only (`_check`: a divergence raises TrainingDivergedError there, before
+    anything of it is saved); after a Ctrl-C the step in progress ends, is checkpointed, and
+    TrainingInterrupted is raised."""
+    cfg = self.cfg
     metrics_log = MetricsLog(self.workdir, self.show)
     if first > 0:
       metrics_log.resume(first)
-    window = throughput.Window(self.mesh.devices.size,
-                               throughput.peak_flops(jax.devices()[0].device_kind))
-    if first == 0 and cfg.eval_at_start and self.eval_fn is not None:
-      metrics_log.write(0, {**self._run_eval(0, state), "event": "before training"})
+    interval = Interval(throughput.Window(self.mesh.devices.size,
+                                          throughput.peak_flops(jax.devices()[0].device_kind)),
+                        flops)
+    check = functools.partial(self._check, ckpt=ckpt, interval=interval, metrics_log=metrics_log)
+    self.records_at = lambda done: (done == first + 1 or done % cfg.log_every == 0
+                                    or done == cfg.steps or evals.due(done))
+    if first == 0 and evals.before_training():
+      metrics_log.write(0, {**evals(0, state.params), "event": "before training"})
     for step in range(first, cfg.steps):
-      state, metrics, source, seconds, shape = self.one_step(step, state, teacher_params)
       done = step + 1
-      self._check_finite(done, metrics, source, ckpt, metrics_log)
-      sampled_by = None if source == data_lib.FIXED else source
-      window.add(int(metrics["tokens"]), flops.step_flops(*shape, sampled_by), seconds)
+      state, metrics, source, seconds, shape = self.one_step(step, state, teacher_params)
+      interval.add(done, metrics, source, shape, seconds, split=self.records_at(done))
       self.steps_run += 1
-      extra = self._evaluate(done, state)
-      if done == first + 1 or done % cfg.log_every == 0 or done == cfg.steps or extra:
-        metrics_log.write(done, {**metrics, **extra, "source": source, **window.summary()})
+      progress = {}
+      if self.records_at(done):
+        check(state)
+        extra = evals(done, state.params) if evals.due(done) else {}
+        values, rates = interval.record()
+        metrics_log.write(done, {**values, **extra, "source": source, **rates})
+        progress = {"loss": float(values["loss"]), "step_s": rates["step_s"],
+                    "tokens": int(values["tokens"])}
       if self.tick is not None:
-        self.tick({"step": done, "total": cfg.steps, "loss": float(metrics["loss"]),
-                   "step_s": sum(seconds.values()), "tokens": int(metrics["tokens"])})
-      saved = ckpt.save(done, _as_dict(state), self._meta(done))
+        self.tick({"step": done, "total": cfg.steps, **progress})
+      saved = self._save(ckpt, done, state, check)
       if on_step is not None:
         on_step(done, state)
       if stop.requested and done < cfg.steps:
         if not saved:
-          ckpt.save(done, _as_dict(state), self._meta(done), force=True)
+          self._save(ckpt, done, state, check, force=True)
         raise TrainingInterrupted(done, self.workdir)
+    if ckpt.latest_step() != cfg.steps:
+      self._save(ckpt, cfg.steps, state, check, force=True)
     return state
 
-  def _check_finite(self, done: int, metrics: dict, source: str, ckpt, metrics_log) -> None:
-    """Raise TrainingDivergedError (the step's record marked in metrics.jsonl) when the step's
-    loss, gradients or params are not finite."""
-    quantity = non_finite_quantity(metrics)
-    metrics.pop(PARAMS_FINITE)
-    if quantity is None:
-      return
-    metrics_log.write(done, {**metrics, "source": source, "event": "diverged",
-                             "non_finite": quantity})
-    raise TrainingDivergedError(done, quantity, self.workdir, ckpt.latest_step())
+  def _save(self, ckpt, done: int, state: TrainState, check, force: bool = False) -> bool:
+    """Checkpoint `state` after `done` steps when due (or `force`), checked first."""
+    if not (force or ckpt.manager.should_save(done)):
+      return False
+    check(state)
+    return ckpt.save(done, _as_dict(state), self._meta(done), force=force)
 
-  def _evaluate(self, done: int, state: TrainState) -> dict:
-    """The eval hook's metrics after `done` steps when it is due (every eval_every steps)."""
-    if not (self.eval_fn and self.cfg.eval_every and done % self.cfg.eval_every == 0):
-      return {}
-    return self._run_eval(done, state)
-
-  def _run_eval(self, done: int, state: TrainState) -> dict:
+  def _check(self, state: TrainState, ckpt, interval: Interval, metrics_log: MetricsLog) -> None:
+    """Wait for `state` and raise TrainingDivergedError when a step up to it was not finite (the
+    first such step named, its record marked in metrics.jsonl). The wait counts as the
+    interval's time: it is the device finishing the steps dispatched before it."""
     started = time.perf_counter()
-    extra = self.eval_fn(done, state)
-    first = " (the first evaluation compiles it)" if not self._evaluated else ""
-    self._evaluated = True
-    log.info("evaluated at step %d in %.1fs%s", done, time.perf_counter() - started, first)
-    return extra
+    bad, code = (int(x) for x in jax.device_get((state.bad_step, state.bad_quantity)))
+    interval.wait(time.perf_counter() - started)
+    if not bad:
+      return
+    quantity = step_lib.QUANTITIES[code]
+    metrics_log.write(bad, {**interval.metrics_of(bad), "event": "diverged",
+                            "non_finite": quantity})
+    raise TrainingDivergedError(bad, quantity, self.workdir, ckpt.latest_step())
 
 
 class Background:
@@ -619,6 +522,12 @@ def _abstract_tree(tree):
       tree)
 
 
+def _dispatched(tree):
+  """No wait: the host goes on while the device computes `tree`."""
+  return tree
+
+
 def _as_dict(state: TrainState) -> dict:
+  """What a checkpoint holds (the divergence record is not saved: only checked states are)."""
   return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
           "rng": state.rng}

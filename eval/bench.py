@@ -126,12 +126,14 @@ def scaled(cfg: dict, n: int) -> dict:
               num_key_value_heads=kv, head_dim=max(8, hidden // heads))
 
 
-def build(cfg: dict, directory: pathlib.Path, seed: int, dtype: str = "bfloat16"):
+def build(cfg: dict, directory: pathlib.Path, seed: int, precision: str | None = None,
+          dtype: str = "bfloat16"):
   """(model, random params) of a config.json written to `directory`, built as a checkpoint of it
-  would be (hf_import, the backend's default layer layout)."""
+  would be (hf_import, the backend's default layer layout; precision None: the model's default)."""
   directory.mkdir(parents=True, exist_ok=True)
   (directory / "config.json").write_text(json.dumps(cfg))
-  model = hf_import.model_from_dir(directory, dtype, scan_layers=layouts.scan_layers("auto"))
+  model = hf_import.model_from_dir(directory, dtype, precision,
+                                   scan_layers=layouts.scan_layers("auto"))
   return model, jax.block_until_ready(model.init_params(jax.random.PRNGKey(seed)))
 
 
@@ -224,6 +226,7 @@ class Run:
   probe_steps: int = 32
   seed: int = 0
   profile: bool = False      # one target-alone and one speculative call under the profiler
+  precision: str | None = None   # of every matmul (None: the models' default, "highest")
 
 
 def prompts(model, batch: int, length: int, seed: int) -> Prompt:
@@ -244,8 +247,8 @@ def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
   t_cfg, d_cfg = (scaled(c, scale) for c in SHAPES[name])
   d_cfg = dict(d_cfg, vocab_size=t_cfg["vocab_size"])
   start = time.perf_counter()
-  target, t_params = build(t_cfg, workdir / name / "target", run.seed)
-  draft, d_params = build(d_cfg, workdir / name / "draft", run.seed + 1)
+  target, t_params = build(t_cfg, workdir / name / "target", run.seed, run.precision)
+  draft, d_params = build(d_cfg, workdir / name / "draft", run.seed + 1, run.precision)
   init_s = time.perf_counter() - start
   say(f"{name} b{batch}: random weights in {init_s:.1f} s")
   prompt = prompts(target, batch, run.prompt_len, run.seed)
@@ -274,7 +277,8 @@ def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
   cost = step_cost(target, t_params, batch, positions)
   floor = floor_s(cost, peak)
   record = dict(
-      case=case_key(name, batch, scale), shape=name, batch=batch, scale=scale,
+      case=case_key(name, batch, scale, run.precision), shape=name, batch=batch, scale=scale,
+      precision=target.config.precision,
       target_params=_count(t_params), draft_params=_count(d_params),
       target_layers=t_cfg.get("num_hidden_layers", t_cfg.get("num_layers")),
       draft_layers=d_cfg.get("num_hidden_layers", d_cfg.get("num_layers")),
@@ -325,8 +329,9 @@ def _count(params) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
-def case_key(name: str, batch: int, scale: int) -> str:
-  return f"{name}/b{batch}/scale{scale}/{jax.devices()[0].device_kind}"
+def case_key(name: str, batch: int, scale: int, precision: str | None = None) -> str:
+  return (f"{name}/b{batch}/scale{scale}/{precision or 'highest'}/"
+          f"{jax.devices()[0].device_kind}")
 
 
 def order(shapes: list[str], batches: list[int]) -> list[tuple[str, int]]:
@@ -338,7 +343,7 @@ def order(shapes: list[str], batches: list[int]) -> list[tuple[str, int]]:
 # ------------------------------------------------------------------------------ output
 
 
-COLUMNS = ("shape", "batch", "target_params", "draft_params", "ar_ms_per_step", "floor_ms",
+COLUMNS = ("shape", "batch", "precision", "target_params", "draft_params", "ar_ms_per_step", "floor_ms",
            "roofline_pct", "gamma", "tau", "cost_ratio", "verify_cost_ratio", "ms_per_token",
            "speedup", "predicted_speedup", "ar_compile_s", "compile_s", "warm_s",
            "peak_memory_gb")
@@ -404,6 +409,8 @@ def parse_args(argv):
   p.add_argument("--probe_steps", type=int, default=32)
   p.add_argument("--profile", action="store_true",
                  help="profile the first case measured: device kernels per step, busy share")
+  p.add_argument("--precision", choices=("highest", "high", "default"),
+                 help="matmul precision of both models (default: theirs, highest)")
   p.add_argument("--peak", default="", help="'TBps,TFLOPs' of the device (default: datasheets)")
   p.add_argument("--output_json", default="bench.json")
   p.add_argument("--output_md")
@@ -450,7 +457,7 @@ def main(argv=None) -> int:
     peak = peaks(env["device"], args.peak)
     run = Run(prompt_len=args.prompt_len, new_tokens=args.new_tokens, gammas=gammas,
               alpha=args.alpha, repeats=args.repeats, probe_steps=args.probe_steps,
-              profile=args.profile)
+              profile=args.profile, precision=args.precision)
     t0 = time.perf_counter()
     say = lambda msg: print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", file=sys.stderr,
                             flush=True)
@@ -459,7 +466,7 @@ def main(argv=None) -> int:
     done = {r["case"] for r in records}
     with tempfile.TemporaryDirectory(prefix="specjax-bench-models-") as tmp:
       for name, batch in order(shapes, batches):
-        if case_key(name, batch, args.scale) in done:
+        if case_key(name, batch, args.scale, run.precision) in done:
           say(f"{name} b{batch}: in {out} already, skipped")
           continue
         records.append({**measure(name, batch, run, args.scale, pathlib.Path(tmp), peak, say),

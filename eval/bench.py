@@ -4,8 +4,9 @@
     python -m eval.bench --shapes qwen-coder-1.5b --batches 1 --gammas 3,5,7
     python -m eval.bench --scale 16 --batches 1 --new_tokens 16    # a CPU-sized run
 
-Per shape (a target with its draft: Qwen2.5-Coder-1.5B with Qwen2.5-0.5B, Qwen2.5-7B with
-Qwen2.5-0.5B, Llama-3.1-8B with Llama-3.2-1B, T5 v1.1 XL with Small), the models are built from
+Per shape (a target with its draft: Qwen2.5-Coder-1.5B with Qwen2.5-0.5B and with a 90M-parameter
+4-layer draft, Qwen2.5-7B with Qwen2.5-0.5B, Llama-3.1-8B with Llama-3.2-1B, T5 v1.1 XL with
+Small), the models are built from
 their config.json (written on the fly) with random bfloat16 weights (`--scale N` divides every
 width, head count, layer count and the vocabulary by N) and, per batch size:
 
@@ -87,12 +88,18 @@ _T5 = dict(model_type="t5", vocab_size=32128, d_kv=64, feed_forward_proj="gated-
            pad_token_id=0)
 T5_XL = dict(_T5, d_model=2048, d_ff=5120, num_heads=32, num_layers=24)
 T5_SMALL = dict(_T5, d_model=512, d_ff=1024, num_heads=6, num_layers=8)
+# A draft of at most 150M parameters for the 1.5B target (most of it the 151936-row table): the
+# 0.5B's 24 layers cost a GPU half a target step in launches alone.
+QWEN_90M = dict(_QWEN, vocab_size=151936, hidden_size=512, intermediate_size=1536,
+                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                tie_word_embeddings=True)
 
 # name -> (target, draft) config.json contents, in priority order. The draft takes the target's
 # vocabulary size (Qwen2.5-7B pads its table to 152064; the 0.5B's has 151936 rows): speculative
 # decoding reads draft ids as target ids.
 SHAPES = {
     "qwen-coder-1.5b": (QWEN_CODER_1_5B, QWEN_0_5B),
+    "qwen-coder-1.5b-90m": (QWEN_CODER_1_5B, QWEN_90M),
     "qwen2.5-7b": (QWEN_7B, QWEN_0_5B),
     "llama-3.1-8b": (LLAMA_8B, LLAMA_1B),
     "t5-xl": (T5_XL, T5_SMALL),
@@ -127,13 +134,14 @@ def scaled(cfg: dict, n: int) -> dict:
 
 
 def build(cfg: dict, directory: pathlib.Path, seed: int, precision: str | None = None,
-          dtype: str = "bfloat16"):
+          layers: str = "auto", dtype: str = "bfloat16"):
   """(model, random params) of a config.json written to `directory`, built as a checkpoint of it
-  would be (hf_import, the backend's default layer layout; precision None: the model's default)."""
+  would be (hf_import; layers: the layer layout, "auto" the backend's default; precision None:
+  the model's default)."""
   directory.mkdir(parents=True, exist_ok=True)
   (directory / "config.json").write_text(json.dumps(cfg))
   model = hf_import.model_from_dir(directory, dtype, precision,
-                                   scan_layers=layouts.scan_layers("auto"))
+                                   scan_layers=layouts.scan_layers(layers))
   return model, jax.block_until_ready(model.init_params(jax.random.PRNGKey(seed)))
 
 
@@ -227,6 +235,7 @@ class Run:
   seed: int = 0
   profile: bool = False      # one target-alone and one speculative call under the profiler
   precision: str | None = None   # of every matmul (None: the models' default, "highest")
+  layers: str = "auto"           # the layer layout (models/layers.py)
 
 
 def prompts(model, batch: int, length: int, seed: int) -> Prompt:
@@ -247,8 +256,9 @@ def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
   t_cfg, d_cfg = (scaled(c, scale) for c in SHAPES[name])
   d_cfg = dict(d_cfg, vocab_size=t_cfg["vocab_size"])
   start = time.perf_counter()
-  target, t_params = build(t_cfg, workdir / name / "target", run.seed, run.precision)
-  draft, d_params = build(d_cfg, workdir / name / "draft", run.seed + 1, run.precision)
+  target, t_params = build(t_cfg, workdir / name / "target", run.seed, run.precision, run.layers)
+  draft, d_params = build(d_cfg, workdir / name / "draft", run.seed + 1, run.precision,
+                          run.layers)
   init_s = time.perf_counter() - start
   say(f"{name} b{batch}: random weights in {init_s:.1f} s")
   prompt = prompts(target, batch, run.prompt_len, run.seed)
@@ -277,8 +287,9 @@ def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
   cost = step_cost(target, t_params, batch, positions)
   floor = floor_s(cost, peak)
   record = dict(
-      case=case_key(name, batch, scale, run.precision), shape=name, batch=batch, scale=scale,
+      case=case_key(name, batch, scale, run), shape=name, batch=batch, scale=scale,
       precision=target.config.precision,
+      layers="scan" if target.config.scan_layers else "unrolled",
       target_params=_count(t_params), draft_params=_count(d_params),
       target_layers=t_cfg.get("num_hidden_layers", t_cfg.get("num_layers")),
       draft_layers=d_cfg.get("num_hidden_layers", d_cfg.get("num_layers")),
@@ -329,8 +340,10 @@ def _count(params) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
-def case_key(name: str, batch: int, scale: int, precision: str | None = None) -> str:
-  return (f"{name}/b{batch}/scale{scale}/{precision or 'highest'}/"
+def case_key(name: str, batch: int, scale: int, run: Run) -> str:
+  """What makes two records comparable: shape, batch, scale, precision, layout, device."""
+  layout = "scan" if layouts.scan_layers(run.layers) else "unrolled"
+  return (f"{name}/b{batch}/scale{scale}/{run.precision or 'highest'}/{layout}/"
           f"{jax.devices()[0].device_kind}")
 
 
@@ -343,7 +356,7 @@ def order(shapes: list[str], batches: list[int]) -> list[tuple[str, int]]:
 # ------------------------------------------------------------------------------ output
 
 
-COLUMNS = ("shape", "batch", "precision", "target_params", "draft_params", "ar_ms_per_step", "floor_ms",
+COLUMNS = ("shape", "batch", "precision", "layers", "target_params", "draft_params", "ar_ms_per_step", "floor_ms",
            "roofline_pct", "gamma", "tau", "cost_ratio", "verify_cost_ratio", "ms_per_token",
            "speedup", "predicted_speedup", "ar_compile_s", "compile_s", "warm_s",
            "peak_memory_gb")
@@ -411,6 +424,8 @@ def parse_args(argv):
                  help="profile the first case measured: device kernels per step, busy share")
   p.add_argument("--precision", choices=("highest", "high", "default"),
                  help="matmul precision of both models (default: theirs, highest)")
+  p.add_argument("--layers", choices=layouts.LAYOUTS, default="auto",
+                 help="layer layout of both models (auto: unrolled on CPU, scanned elsewhere)")
   p.add_argument("--peak", default="", help="'TBps,TFLOPs' of the device (default: datasheets)")
   p.add_argument("--output_json", default="bench.json")
   p.add_argument("--output_md")
@@ -457,7 +472,7 @@ def main(argv=None) -> int:
     peak = peaks(env["device"], args.peak)
     run = Run(prompt_len=args.prompt_len, new_tokens=args.new_tokens, gammas=gammas,
               alpha=args.alpha, repeats=args.repeats, probe_steps=args.probe_steps,
-              profile=args.profile, precision=args.precision)
+              profile=args.profile, precision=args.precision, layers=args.layers)
     t0 = time.perf_counter()
     say = lambda msg: print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", file=sys.stderr,
                             flush=True)
@@ -466,7 +481,7 @@ def main(argv=None) -> int:
     done = {r["case"] for r in records}
     with tempfile.TemporaryDirectory(prefix="specjax-bench-models-") as tmp:
       for name, batch in order(shapes, batches):
-        if case_key(name, batch, args.scale, run.precision) in done:
+        if case_key(name, batch, args.scale, run) in done:
           say(f"{name} b{batch}: in {out} already, skipped")
           continue
         records.append({**measure(name, batch, run, args.scale, pathlib.Path(tmp), peak, say),

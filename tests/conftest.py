@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import pytest
 
@@ -15,3 +17,12 @@ def highest_matmul_precision():
     patch.setenv("JAX_DEFAULT_MATMUL_PRECISION", "highest")
     with jax.default_matmul_precision("highest"):
       yield
+
+
+def pytest_runtest_logreport(report):
+  """With SPECJAX_FAILURES=FILE, each failure's id and traceback is appended to FILE as it
+  happens, so that a run cut short by a time limit (tools/gpu_check.sh) still names them."""
+  path = os.environ.get("SPECJAX_FAILURES")
+  if report.failed and path and not os.environ.get("PYTEST_XDIST_WORKER"):
+    with open(path, "a") as f:
+      f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")

@@ -245,6 +245,13 @@ def check_sprinter(done: Done) -> None:
   assert report["stats"]["target_calls"] >= 0, report["stats"]      # SPRINTER's own counters
 
 
+def check_bench(done: Done) -> None:
+  (record,) = done.json("bench.json")["records"]
+  assert (record["shape"], record["scale"], record["batch"]) == ("qwen-coder-1.5b-90m", 16, 1)
+  assert [s["gamma"] for s in record["sd"]] == [2] and "profile" in record, record
+  assert "| qwen-coder-1.5b-90m | 1 |" in done.out, done.out
+
+
 TINY = ("--config.decode.max_new_tokens=8",)
 TRAIN = ("--config.train.steps=4", "--config.pretrain.steps=4", "--config.train.log_every=2",
          "--config.train.checkpoint_every=2", "--config.train.eval_every=0",
@@ -318,6 +325,16 @@ COMMANDS: dict[str, Run | Skip] = {
         cost=2),
     "python -m eval.startup --config tiny.py [--case NAME=OVERRIDES] [--output_json F] "
     "[--output_md F]": Run(check_startup, (*TINY, "--output_json", "startup.json"), cost=12),
+    "python -m eval.bench [--shapes qwen-coder-1.5b,qwen2.5-7b] [--batches 1,8,32] [--scale 16] "
+    "[--profile] [--output_json F]": Run(
+        check_bench, ("--shapes", "qwen-coder-1.5b-90m", "--batches", "1", "--gammas", "2",
+                      "--new_tokens", "8", "--prompt_len", "16", "--repeats", "1",
+                      "--probe_steps", "2", "--output_json", "bench.json"),
+        optional=("--scale", "--profile"), pair=False, cost=12),
+    "bash tools/gpu_check.sh runs/gpu_check": Skip(
+        "an accelerator's check: the suite and eval.bench at full size on the GPU",
+        "tests/test_bench.py::test_gpu_check_script_runs_the_bench_on_cpu (the script's flow "
+        "on this CPU, one small shape)"),
     "python -m train.pretrain --config distill_tiny.py --workdir runs/tiny_target": Run(
         check_metrics("runs/tiny_target", 4), TRAIN, pair=False, cost=9),
     "python -m train.distill --config distill_tiny.py --workdir runs/tiny_distill "

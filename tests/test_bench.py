@@ -1,0 +1,178 @@
+"""eval.bench (real model shapes, random weights, an acceptance knob, the roofline) and
+eval.trace (the device-kernel summary), at a CPU-sized scale."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from eval import bench, trace
+from specjax.acceptance import base
+from specjax.api import results
+from specjax.decoding import speculative
+from specjax.sampling import Warp
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--scale", "16", "--batches", "1", "--gammas", "2", "--new_tokens", "8",
+         "--prompt_len", "16", "--repeats", "1", "--probe_steps", "2"]
+
+
+def _pair(name: str, tmp_path, scale: int = 16):
+  t_cfg, d_cfg = (bench.scaled(c, scale) for c in bench.SHAPES[name])
+  d_cfg = dict(d_cfg, vocab_size=t_cfg["vocab_size"])
+  return (bench.build(t_cfg, tmp_path / "t", 0, dtype="float32"),
+          bench.build(d_cfg, tmp_path / "d", 1, dtype="float32"))
+
+
+def test_a_small_run_writes_its_records_and_a_second_run_resumes(tmp_path, capsys):
+  out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+  argv = [*SMALL, "--shapes", "qwen-coder-1.5b-90m", "--peak", "0.1,1",
+          "--output_json", str(out), "--output_md", str(md)]
+  assert bench.main(argv) == 0
+  data = json.loads(out.read_text())
+  (record,) = data["records"]
+  assert data["environment"]["device"] == jax.devices()[0].device_kind
+  assert record["shape"] == "qwen-coder-1.5b-90m" and record["batch"] == 1
+  assert record["target_params"] > record["draft_params"] > 0
+  timings = ("ar_ms_per_step", "target_step_ms", "draft_step_ms", "roofline_pct", "ar_compile_s")
+  assert all(np.isfinite(record[k]) for k in timings), record     # values: not asserted on
+  assert record["floor_ms"] > 0
+  (sd,) = record["sd"]
+  assert sd["gamma"] == 2 and 1 <= sd["tau"] <= 3 and np.isfinite(sd["ms_per_token"])
+  assert sd["expected_tau"] == pytest.approx(1 + 0.8 + 0.64)
+  assert "| qwen-coder-1.5b-90m | 1 |" in md.read_text()
+  capsys.readouterr()
+  assert bench.main(argv) == 0                    # resumed: nothing left to measure
+  assert "already, skipped" in capsys.readouterr().err
+  assert len(json.loads(out.read_text())["records"]) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shapes", "gpt-5"], "choose from qwen-coder-1.5b"),
+    (["--alpha", "1.5"], "a probability"),
+    (["--peak", "fast"], "'TBps,TFLOPs'"),
+    (["--batches", "0"], "at least 1"),
+    (["--new_tokens", "1"], "must be at least 1"),
+])
+def test_bad_flags_are_refused_before_any_work(argv, message, tmp_path, capsys):
+  assert bench.main([*argv, "--output_json", str(tmp_path / "b.json")]) == 2
+  assert message in capsys.readouterr().err
+  assert not (tmp_path / "b.json").exists()
+
+
+def test_a_file_of_other_results_is_refused(tmp_path, capsys):
+  other = tmp_path / "other.json"
+  other.write_text('[{"gamma": 3}]')
+  assert bench.main([*SMALL, "--output_json", str(other)]) == 2
+  assert "is not an eval.bench results file" in capsys.readouterr().err
+  assert other.read_text() == '[{"gamma": 3}]'
+
+
+@pytest.mark.parametrize("name", list(bench.SHAPES))
+def test_every_shape_scales_to_a_consistent_model(name, tmp_path):
+  for cfg in bench.SHAPES[name]:
+    for n in (1, 2, 16, 64):
+      small = bench.scaled(cfg, n)
+      if cfg["model_type"] == "t5":
+        assert small["d_kv"] * small["num_heads"] >= 8
+      else:
+        assert small["num_attention_heads"] % small["num_key_value_heads"] == 0
+  (target, t_params), (draft, d_params) = _pair(name, tmp_path)
+  assert target.config.vocab_size == draft.config.vocab_size
+
+
+def test_step_cost_counts_what_a_decoding_step_reads(tmp_path):
+  (target, params), (draft, d_params) = _pair("qwen2.5-7b", tmp_path)      # untied / tied
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  table = params["token_embed"]["embedding"]
+  cfg = target.config
+  cost = bench.step_cost(target, params, batch=2, positions=10)
+  # An untied table is gathered (2 rows), not read whole; the head is read whole.
+  assert cost["weight_bytes"] == nbytes(params) - table.nbytes + 2 * table.nbytes // table.shape[0]
+  assert cost["cache_bytes"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 10 * 2 * 4
+  tied = bench.step_cost(draft, d_params, batch=1, positions=10)
+  assert tied["weight_bytes"] == nbytes(d_params)          # the table is the head: read whole
+  assert bench.floor_s(cost, (1e12, 1e30)) == pytest.approx(
+      (cost["weight_bytes"] + cost["cache_bytes"]) / 1e12)
+  assert bench.floor_s(cost, (1e30, 1e9)) == pytest.approx(cost["flops"] / 1e9)
+  assert bench.floor_s(cost, None) is None
+
+
+def test_t5_step_cost_leaves_the_encoder_out(tmp_path):
+  (target, params), _ = _pair("t5-xl", tmp_path)
+  cost = bench.step_cost(target, params, batch=1, positions=4)
+  encoder = sum(x.nbytes for x in jax.tree.leaves(params["encoder"]))
+  whole = sum(x.nbytes for x in jax.tree.leaves(params))
+  assert cost["weight_bytes"] < whole - encoder + 1 and encoder > 0
+
+
+def test_peaks_come_from_the_device_kind_or_the_flag():
+  assert bench.peaks("NVIDIA H100 80GB HBM3") == (3.35e12, 989e12)
+  assert bench.peaks("NVIDIA H200") == (4.8e12, 989e12)
+  assert bench.peaks("TPU v5 lite") == (0.819e12, 197e12)
+  assert bench.peaks("TPU v5p")[0] == 2.765e12
+  assert bench.peaks("cpu") is None
+  assert bench.peaks("cpu", "1.5,20") == (1.5e12, 20e12)
+
+
+class _Broken(bench.SetAcceptance):
+  """The knob at half its alpha: what a wrong rule looks like to the test below."""
+
+  def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
+    uniforms, _ = base.verify_streams(keys, draft_tokens.shape[1])
+    n = base.prefix_accepted(uniforms < self.alpha / 2, draft_len)
+    return n, jax.numpy.argmax(base.take_position(p_logp, n), -1).astype(np.int32), rule_state
+
+
+@pytest.mark.parametrize("rule, holds", [(bench.SetAcceptance(alpha=0.6), True),
+                                         (_Broken(alpha=0.6), False)])
+def test_the_knob_sets_the_acceptance_rate(rule, holds, tmp_path):
+  """32 rows x ~17 blocks x 4 drafts: over 1000 drafts tested, the acceptance rate's standard
+  error is under 0.016, so 0.05 holds the knob (3 sigma) and the broken one (alpha 0.3) fails."""
+  (target, t_params), (draft, d_params) = _pair("qwen-coder-1.5b-90m", tmp_path, scale=32)
+  prompt = bench.prompts(target, 32, 8, 0)
+  gen = speculative.generate(target, t_params, draft, d_params, prompt, jax.random.PRNGKey(3),
+                             rule=rule, gamma=4, max_new_tokens=48, warp=Warp(temperature=0.0),
+                             eos_id=None)
+  stats = results.aggregate(results.stats_rows(gen.stats, 32))
+  assert stats["verified"] > 1000
+  assert (abs(stats["acceptance_rate"] - 0.6) < 0.05) == holds, stats
+
+
+def test_trace_summary_merges_overlaps_and_counts_gaps():
+  events = [("gemm", 0, 10), ("reduce", 5, 10), ("gemm", 30, 10), ("copy", 45, 5)]
+  s = trace.summarize(events, steps=2)
+  assert s["kernels"] == 4 and s["kernels_per_step"] == 2
+  assert s["span_ms"] == pytest.approx(50e-6)
+  assert s["busy_pct"] == pytest.approx(100 * (15 + 10 + 5) / 50)      # [0,15] [30,40] [45,50]
+  assert [t["name"] for t in s["top"]] == ["gemm", "reduce", "copy"]
+  assert trace.summarize([], 1) is None
+
+
+def test_trace_of_a_backend_without_a_device_plane_is_none():
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU records no device plane")
+  assert trace.profile(lambda: jax.numpy.ones(3) + 1, steps=1) is None
+
+
+def test_gpu_check_script_runs_the_bench_on_cpu(tmp_path):
+  """tools/gpu_check.sh's flow (the README's accelerator command) on this CPU: ALLOW_CPU, no
+  suite, one small shape: the batch-1 case, the layout x precision cases, then batch 8."""
+  env = {**os.environ, "ALLOW_CPU": "1", "SUITE_S": "0", "BENCH_S": "240", "JAX_PLATFORMS": "cpu",
+         "SHAPES": "qwen-coder-1.5b-90m",
+         "BENCH_ARGS": "--scale 32 --new_tokens 4 --prompt_len 8 --repeats 1 --probe_steps 1 "
+                       "--gammas 2 --batches 1"}
+  proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), str(tmp_path / "out")],
+                        env=env, capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  records = json.loads((tmp_path / "out" / "bench.json").read_text())["records"]
+  combos = {(r["layers"], r["precision"]) for r in records}
+  assert combos == {("unrolled", "highest"), ("unrolled", "default"), ("scan", "default")}, combos
+  assert "== done" in proc.stdout

@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     cli.setup()
     cfg = config.load_config(args.config, overrides)
+    runner.check_overrides_apply(cfg, overrides)
     if output:
       inputs = {"--input_file": args.input_file, **config.input_paths(args.config, cfg)}
       outputs.check_not_input(output, inputs, "--output_json")

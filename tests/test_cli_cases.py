@@ -163,6 +163,19 @@ CASES = [
           "--config.rule.verifier={verifier}", "--prompt", "x"], 2,
          "the verifier file {verifier}/verifier.json is damaged (not JSON",
          ["{verifier}"]),
+    # D83: the target alone ignores the rule and the draft's settings; the user's own are refused
+    case("rule-without-draft", "specjax.decode",
+         ["--config", "tiny.py", MISSING, "--config.draft.checkpoint=",
+          "--config.rule.name=lenient", "--config.decode.gamma=5", "--prompt", "x"], 2,
+         "--config.rule.name=lenient, --config.decode.gamma=5 have no effect without a draft: "
+         "the target decodes alone"),
+    case("rule-turned-off-with-rule-settings", "specjax.decode",
+         ["--config", "tiny.py", MISSING, "--config.rule.name=", "--config.rule.threshold=0.5",
+          "--prompt", "x"], 2,
+         "--config.rule.threshold=0.5 has no effect with --config.rule.name=''"),
+    case("no-draft-keeps-the-config-rule-silently", "specjax.decode",   # stops on MISSING
+         ["--config", "tiny.py", MISSING, "--config.draft.checkpoint=", "--prompt", "x"], 2,
+         "/nonexistent/specjax-target"),
 ]
 
 

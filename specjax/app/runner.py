@@ -11,6 +11,7 @@ import jax
 from specjax.app import builders, methods, resolve
 from specjax.api import decoder, timing
 from specjax.api.results import aggregate, stats_rows  # noqa: F401  (for the eval tools)
+from specjax.app.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,34 @@ def formatted(method: methods.Method, prompts: list[str]) -> list[str]:
   """With decode.chat, every prompt as one user turn in the target's chat template (the draft
   reads the same text, so both models see the same tokens)."""
   return [methods.formatted_text(method, p) for p in prompts]
+
+
+# What only speculative decoding reads: with the target alone these change nothing.
+DRAFT_ONLY = ("rule.", "draft.", "decode.gamma=", "decode.lookbehind=")
+# How a user turns speculative decoding off (an empty value): never refused.
+TURNS_OFF = ("draft.checkpoint=", "rule.name=")
+
+
+def check_overrides_apply(config, overrides) -> None:
+  """Refuse the user's own overrides that the configured method would ignore (rule.*, draft.*,
+  decode.gamma, decode.lookbehind when the target decodes alone): a run that silently drops
+  --config.rule.name=lenient reports target-only results as if they were lenient ones. The
+  config's own values are never refused (tiny.py's rule is there for when a draft is given)."""
+  if methods.method_name(config) != "autoregressive":
+    return
+  given = [o.removeprefix("--").removeprefix("config.") for o in overrides]
+  ignored = [f"--config.{o}" for o in given
+             if o.startswith(DRAFT_ONLY) and o not in TURNS_OFF]
+  if not ignored:
+    return
+  have = "has" if len(ignored) == 1 else "have"
+  if builders.section(config, "draft").get("checkpoint"):
+    why, fix = "with --config.rule.name=''", "name a rule (--config.rule.name=exact)"
+  else:
+    why, fix = "without a draft", "give one (--config.draft.checkpoint=PATH)"
+  raise ConfigError(f"{', '.join(ignored)} {have} no effect {why}: the target decodes alone. "
+                    f"For speculative decoding {fix}; to decode with the target alone, drop "
+                    f"{'it' if len(ignored) == 1 else 'them'}")
 
 
 def run(config, prompts: list[str], show: Callable[[str], None] | None = None,

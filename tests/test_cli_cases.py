@@ -176,6 +176,15 @@ CASES = [
     case("no-draft-keeps-the-config-rule-silently", "specjax.decode",   # stops on MISSING
          ["--config", "tiny.py", MISSING, "--config.draft.checkpoint=", "--prompt", "x"], 2,
          "/nonexistent/specjax-target"),
+    # T44: a decoding config given to a trainer is refused by its sections, before any work
+    case("distill-with-a-decoding-config", "train.distill",
+         ["--config", "tiny.py", "--workdir", "{tmp}/w"], 2,
+         "tiny.py is a decoding config (no train section; its sections: data, decode, "
+         "distributed, draft, draft_raw, mesh, rule, target): train.distill needs a training "
+         "config: use distill_tiny.py (or distill_lm1b.py", ["{tmp}/w"]),
+    case("pretrain-with-a-verifier-config", "train.pretrain",
+         ["--config", "sprinter_tiny.py", "--workdir", "{tmp}/w"], 2,
+         "sprinter_tiny.py is a train.verifier config (no train section", ["{tmp}/w"]),
 ]
 
 

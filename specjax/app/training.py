@@ -22,6 +22,7 @@ import jax
 from specjax import checkpoint as ckpt_lib
 from specjax import sharding
 from specjax.app import builders, outputs, resolve
+from specjax.app import config as config_lib
 from specjax.app.config import ConfigError
 from specjax.app.fit import ProgressDisplay, check_workdir, fit, open_source, train_flag
 from specjax.distill import trainer as trainer_lib
@@ -50,6 +51,23 @@ def run(config, workdir: str, pretrain: bool = False, inputs: dict | None = None
   with _lock(workdir):
     check_run_record(workdir, run_record(config, pretrain))
     return _train(config, workdir, pretrain)
+
+
+def check_sections(config, name: str, pretrain: bool = False) -> None:
+  """Refuse a config without a `train` section (a decoding config such as tiny.py) before
+  anything reads it: its defaults would fail later on something unrelated (a Markov source's
+  vocab_size)."""
+  if builders.section(config, "train"):
+    return
+  job = "train.pretrain" if pretrain else "train.distill"
+  has = ", ".join(k for k, v in config.items() if hasattr(v, "keys")) or "none"
+  kind = "a train.verifier config" if builders.section(config, "verifier") else \
+      "a decoding config"
+  others = ", ".join(c for c in config_lib.shipped()
+                     if c.startswith("distill_") and c != "distill_tiny.py")
+  raise ConfigError(f"{name} is {kind} (no train section; its sections: {has}): {job} needs a "
+                    f"training config: use distill_tiny.py (or {others}, or a config of your "
+                    f"own with train, target, draft and data sections)")
 
 
 def _lock(workdir: Path):

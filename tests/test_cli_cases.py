@@ -176,6 +176,13 @@ CASES = [
     case("no-draft-keeps-the-config-rule-silently", "specjax.decode",   # stops on MISSING
          ["--config", "tiny.py", MISSING, "--config.draft.checkpoint=", "--prompt", "x"], 2,
          "/nonexistent/specjax-target"),
+    # T17: a bad value of the pretrain section is named by the pretrain flag
+    case("pretrain-steps-negative", "train.pretrain",
+         [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.pretrain.steps=-1"], 2,
+         "--config.pretrain: steps must be >= 0, got -1", ["{tmp}/w"]),
+    case("train-steps-negative-when-distilling", "train.distill",
+         [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.train.steps=-1"], 2,
+         "--config.train: steps must be >= 0, got -1", ["{tmp}/w"]),
     # T44: a decoding config given to a trainer is refused by its sections, before any work
     case("distill-with-a-decoding-config", "train.distill",
          ["--config", "tiny.py", "--workdir", "{tmp}/w"], 2,

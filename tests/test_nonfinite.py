@@ -206,3 +206,13 @@ def test_gguf_tensors_are_checked_as_dequantized_and_looked_up_by_name():
   with pytest.raises(hf_tensors.NonFiniteTensorError,
                      match=re.escape("tiny.gguf: tensor token_embd.weight holds 1 NaN/inf")):
     tensors["model.embed_tokens.weight"]
+
+
+def test_the_cli_advice_names_the_flags_of_the_model_at_fault(models):
+  """The CLI's message names the section of the model whose logits were not finite (T17)."""
+  from specjax.app import cli
+  _, _, draft, _ = models
+  text = cli.advice(NonFiniteLogitsError("draft", draft, [0, 1]))
+  assert text.startswith("the draft model (Decoder, float32 weights) produced non-finite logits")
+  assert "(--config.draft.dtype, --config.draft.checkpoint: decoding with the draft model alone" \
+         in text

@@ -158,6 +158,7 @@ class ModelSpec:
 
 ARCHS = {"decoder": (decoder.DecoderConfig, decoder.Decoder), "t5": (t5.T5Config, t5.T5)}
 _SPEC_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} - {"role", "fields"}
+DRAFTER_KEYS = ("method", "ngram_max", "ngram_min")   # the draft section's drafter (app/methods)
 
 
 def model_spec(config, role: str) -> ModelSpec:
@@ -165,7 +166,8 @@ def model_spec(config, role: str) -> ModelSpec:
   if not values:
     raise ConfigError(f"the config has no '{role}' section")
   own = {k: v for k, v in values.items() if k in _SPEC_KEYS}
-  arch_fields = tuple(sorted((k, v) for k, v in values.items() if k not in _SPEC_KEYS))
+  arch_fields = tuple(sorted((k, v) for k, v in values.items()
+                             if k not in _SPEC_KEYS and k not in DRAFTER_KEYS))
   spec = typed(ModelSpec, own, role, role=role, fields=arch_fields)
   if arch_fields and not spec.arch:
     raise ConfigError(f"--config.{role}: unknown field(s) {', '.join(k for k, _ in arch_fields)};"
@@ -208,9 +210,9 @@ def train_config(config, pretrain: bool = False) -> TrainConfig:
   mesh = section(config, "mesh")
   values.update(mesh_data=mesh.get("data", -1), mesh_model=mesh.get("model", 1))
   if pretrain:
-    values.update({k: v for k, v in section(config, "pretrain").items() if k != "model"})
-    values.update(loss="nll", lambda1=1.0, lambda2=0.0)
-    return typed(TrainConfig, values, "train")
+    own = {k: v for k, v in section(config, "pretrain").items() if k != "model"}
+    values.update(own, loss="nll", lambda1=1.0, lambda2=0.0)
+    return _pretrain_config(values, own)
   d = section(config, "distill")
   if d.get("recipe"):
     r = distill_data.recipe(d["recipe"])
@@ -220,6 +222,18 @@ def train_config(config, pretrain: bool = False) -> TrainConfig:
                   lambda2=d.get("lambda2", 1.0))
   values.update(beta=d.get("beta", 0.5), temperature=d.get("temperature", 1.0))
   return typed(TrainConfig, values, "train")
+
+
+def _pretrain_config(values: dict, own: dict) -> TrainConfig:
+  """TrainConfig of train.pretrain: a bad value that the `pretrain` section set is named by its
+  own flag (--config.pretrain.steps), not the `train` field it replaces."""
+  try:
+    return typed(TrainConfig, values, "train")
+  except ConfigError as err:
+    text = str(err)
+    if any(f"train.{k}=" in text or f"train: {k} " in text for k in own):
+      raise ConfigError(text.replace("--config.train", "--config.pretrain", 1)) from None
+    raise
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from specjax import checkpoint, sharding
 from specjax.app.config import ConfigError
 from specjax.data.cache import cache_dir
 from specjax.data.tokenizer import NoChatTemplateError
+from specjax.decoding.state import NonFiniteLogitsError
 from specjax.models import hf_import, kv_cache
 from specjax.sprinter.verifier import VerifierFileError, VerifierNotFoundError
 
@@ -110,6 +111,9 @@ def advice(err: Exception) -> str:
     return f"{err}: wait for it to finish (or stop it), or choose another --workdir"
   if isinstance(err, hf_import.CheckpointNotFoundError):
     return str(err)
+  if isinstance(err, NonFiniteLogitsError):
+    return (f"{err} (--config.{err.role}.dtype, --config.{err.role}.checkpoint: decoding with the "
+            f"{err.role} model alone shows whether its weights are at fault)")
   if isinstance(err, KeyError):
     return f"missing key {err}"
   return str(err)

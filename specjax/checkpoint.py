@@ -160,10 +160,10 @@ class Checkpointer:
     """Refuse a checkpoint of other param shapes. A description that differs over the same shapes
     (a config field added by a newer specjax, say) is only logged: refusing it would strand
     every run across an upgrade."""
-    step = self.manager.latest_step()
-    if step is None:
+    found = self._latest_meta()
+    if found is None:
       return
-    meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    step, meta = found
     saved = ModelSignature.from_meta(meta)
     if saved.shapes:
       same = saved.shapes == self.signature.shapes
@@ -186,18 +186,60 @@ class Checkpointer:
         int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                            meta=ocp.args.JsonSave(meta)), force=force)
 
+  def _latest_meta(self) -> tuple[int, dict] | None:
+    """(step, meta) of the latest checkpoint whose metadata reads (a damaged one is skipped
+    here: `restore` names it); None when there is none."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return step, self.manager.restore(step, args=args)["meta"]
+      except Exception:                 # whatever orbax / tensorstore raise for a damaged file
+        continue
+    return None
+
   def restore(self, abstract_state, step: int | None = None):
-    """(state, meta) of `step` (default latest) placed like `abstract_state`, or None if empty.
+    """(state, meta) of `step` (default: the latest good one) placed like `abstract_state`, or
+    None if empty.
 
     abstract_state: pytree of jax.ShapeDtypeStruct with shardings (or concrete arrays).
+    A latest checkpoint that cannot be read (a killed disk, a truncated file) is moved aside to
+    WORKDIR/checkpoints.damaged/STEP, never deleted, and the previous good one restored, with a
+    warning naming both; DamagedCheckpointError when none can be restored (nothing moved).
     """
-    step = self.manager.latest_step() if step is None else step
-    if step is None:
-      return None
     target = jax.tree_util.tree_map(_abstract, abstract_state)
+    if step is not None:
+      return self._restore_step(step, target)
+    failed = []
+    for candidate in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        restored = self._restore_step(candidate, target)
+      except Exception as err:          # whatever orbax / tensorstore raise for a damaged file
+        failed.append((candidate, _first_line(err)))
+        continue
+      self._set_aside(failed, candidate)
+      return restored
+    if failed:
+      raise DamagedCheckpointError(self.workdir / "checkpoints", failed)
+    return None
+
+  def _restore_step(self, step: int, target):
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
+
+  def _set_aside(self, failed: list[tuple[int, str]], good: int) -> None:
+    """Move the damaged checkpoints newer than `good` out of the manager's way (a resumed run
+    saves those steps again), each with a warning."""
+    if not failed:
+      return
+    for step, reason in failed:
+      kept = self.workdir / "checkpoints" / str(step)
+      if jax.process_index() == 0:
+        kept = _move_aside(kept, self.workdir / DAMAGED_DIR)
+      log.warning("the checkpoint of step %d (%s) is damaged (%s): resuming from step %d, the "
+                  "latest good one; the damaged one is kept in %s (delete it when you no longer "
+                  "need it)", step, self.workdir / "checkpoints" / str(step), reason, good, kept)
+    self.manager.reload()
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -205,6 +247,40 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+DAMAGED_DIR = "checkpoints.damaged"
+
+
+class DamagedCheckpointError(ValueError):
+  """No checkpoint of a workdir can be restored; `failed`: (step, reason) newest first."""
+
+  def __init__(self, checkpoints: Path, failed: list[tuple[int, str]]):
+    self.checkpoints, self.failed = checkpoints, failed
+    steps = "; ".join(f"step {step} ({checkpoints / str(step)}): {reason}"
+                      for step, reason in failed)
+    super().__init__(
+        f"no checkpoint in {checkpoints} can be restored: {steps}. If they are damaged, move "
+        f"them away (mv {checkpoints} {checkpoints.parent / DAMAGED_DIR}) and rerun to start "
+        f"over; if this run's settings differ from theirs (--config.train.optimizer, say), rerun "
+        f"with the settings that wrote them")
+
+
+def _first_line(err: Exception, limit: int = 200) -> str:
+  text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+  text = text.partition(" See full TensorStore details")[0]
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _move_aside(path: Path, into: Path) -> Path:
+  """path renamed into the directory `into` (a free name: STEP, STEP.1, ...); the new path."""
+  into.mkdir(exist_ok=True)
+  dest, n = into / path.name, 0
+  while dest.exists():
+    n += 1
+    dest = into / f"{path.name}.{n}"
+  path.rename(dest)
+  return dest
 
 
 def _abstract(x):
@@ -257,7 +333,31 @@ def load_params(workdir, like):
     raise FileNotFoundError(f"{path} not found: init_from must name the workdir of a finished "
                             f"train.pretrain / train.distill run")
   target = jax.tree_util.tree_map(_abstract, like)
+  checkpointer = ocp.StandardCheckpointer()
+  _check_saved_shapes(path, checkpointer, target)
   try:
-    return ocp.StandardCheckpointer().restore(path, target)
+    return checkpointer.restore(path, target)
   except (ValueError, KeyError) as e:
     raise ValueError(f"{path} holds params of another model: {e}") from e
+
+
+def _check_saved_shapes(path: Path, checkpointer, target) -> None:
+  """Refuse exported params whose tensors differ from the model's, naming the first tensor, its
+  shape in the model and in the checkpoint, before anything is read."""
+  try:
+    saved = checkpointer.metadata(path).item_metadata.tree
+  except Exception:                    # no readable metadata: the restore itself says why
+    return
+  have = {jax.tree_util.keystr(p): tuple(x.shape)
+          for p, x in jax.tree_util.tree_flatten_with_path(saved)[0] if hasattr(x, "shape")}
+  want = {jax.tree_util.keystr(p): tuple(x.shape)
+          for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+  differ = [k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
+  if not differ:
+    return
+  name = differ[0]
+  more = f" (and {len(differ) - 1} more tensors differ)" if len(differ) > 1 else ""
+  raise ValueError(f"{path} holds params of another model: tensor {name} has shape "
+                   f"{have.get(name, '(absent)')} there, and this model expects "
+                   f"{want.get(name, '(absent)')}{more}: give the workdir of a run that trained a "
+                   f"model of this size")

@@ -251,3 +251,33 @@ def test_a_tokenizer_path_that_does_not_exist_is_named(tmp_path):
   from specjax.data import tokenizer
   with pytest.raises(FileNotFoundError, match="tokenizer .*absent.model does not exist"):
     tokenizer.get_tokenizer(str(tmp_path / "absent.model"))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5", "qwen2"])
+def test_a_tensor_of_the_wrong_shape_names_tensor_shapes_and_checkpoint(dirs, tmp_path, family):
+  """B26: the tensor, the shape found, the shape the config implies, and the checkpoint's path."""
+  import numpy as np
+  path = _copy(dirs[family], tmp_path / "ckpt")
+  weights = load_file(path / "model.safetensors")
+  name = sorted(k for k in weights if weights[k].ndim == 2)[0]
+  rows, cols = weights[name].shape
+  weights[name] = np.zeros((rows + 1, cols), weights[name].dtype)
+  save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+  with pytest.raises(ValueError) as err:
+    hf_import.load_model(str(path))
+  text = str(err.value)
+  assert text.startswith(f"{path}: ") and name in text, text
+  assert f"{(rows + 1, cols)}" in text and f"{(rows, cols)}" in text, text
+
+
+def test_init_from_of_another_size_names_the_flag_tensor_and_shapes(tmp_path):
+  """B26: exported params restored into a model of another size."""
+  from specjax import checkpoint
+  small, small_params = testing.tiny_decoder(d_model=16)
+  checkpoint.save_params(tmp_path, small_params)
+  spec = builders.ModelSpec(role="target", init_from=str(tmp_path))
+  _, params = testing.tiny_decoder(d_model=32)
+  with pytest.raises(ValueError, match=re.escape(
+      f"--config.target.init_from={tmp_path}: {tmp_path / 'params'} holds params of another "
+      f"model: tensor ") + r"\S+ has shape \(\d+, 16\) there, and this model expects \(\d+, 32\)"):
+    builders.with_init_from(spec, params)

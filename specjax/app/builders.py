@@ -199,7 +199,14 @@ def init_model(spec: ModelSpec, seed: int):
 
 
 def with_init_from(spec: ModelSpec, params):
-  return ckpt_lib.load_params(spec.init_from, params) if spec.init_from else params
+  """The params exported in `init_from`, refused by the flag that names them when they are
+  another model's."""
+  if not spec.init_from:
+    return params
+  try:
+    return ckpt_lib.load_params(spec.init_from, params)
+  except ValueError as err:
+    raise ConfigError(f"--config.{spec.role}.init_from={spec.init_from}: {err}") from None
 
 
 # ----------------------------------------------------------------------------------- training

@@ -108,7 +108,15 @@ def load_model(name_or_dir: str, dtype: str = "float32", precision: str | None =
   match config.json (before any data is read), CorruptCheckpointError for a damaged file."""
   path = resolve_checkpoint(name_or_dir)
   mod, model = _model(path, dtype, precision, scan_layers)
-  params = mod.params_from_hf(model, read_tensors(path))
+  tensors = read_tensors(path)
+  try:
+    params = mod.params_from_hf(model, tensors)
+  except CorruptCheckpointError:      # names its file already
+    raise
+  except ValueError as err:            # a tensor config.json does not describe: name the path
+    if str(path) in str(err):
+      raise
+    raise ValueError(f"{path}: {err}") from None
   return model, params
 
 

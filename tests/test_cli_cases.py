@@ -183,6 +183,12 @@ CASES = [
     case("train-steps-negative-when-distilling", "train.distill",
          [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.train.steps=-1"], 2,
          "--config.train: steps must be >= 0, got -1", ["{tmp}/w"]),
+    # 6: a workdir from before run.json: its checkpoint's metadata tells the job that wrote it
+    case("distill-in-an-old-pretrain-workdir", "train.distill",
+         [*TRAIN, NO_TEACHER, "--workdir", "{old_pretrained}", "--config.train.steps=2"], 2,
+         "--workdir {old_pretrained} has no run.json, but its checkpoint of step 1 was written by "
+         "train.pretrain (loss nll), and this is train.distill", ["{old_pretrained}"],
+         ["pretrained"]),
     # T44: a decoding config given to a trainer is refused by its sections, before any work
     case("distill-with-a-decoding-config", "train.distill",
          ["--config", "tiny.py", "--workdir", "{tmp}/w"], 2,
@@ -296,6 +302,9 @@ def paths(request, tmp_path, monkeypatch, cache):
       values.update(target=str(found["target"]), draft=str(found["draft"]))
     if "pretrained" in case_.needs:
       values["pretrained"] = str(request.getfixturevalue("pretrained"))
+      old = shutil.copytree(values["pretrained"], tmp_path / "old_pretrained")
+      (old / "run.json").unlink()             # as a specjax from before run records left it
+      values["old_pretrained"] = str(old)
     if "busy" in case_.needs:
       values["busy"] = str(tmp_path / "busy")
       (tmp_path / "busy").mkdir()

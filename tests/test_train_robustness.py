@@ -270,3 +270,50 @@ def test_run_records_refuse_another_job_or_field_and_allow_more_steps(tmp_path):
   (tmp_path / "params").rmdir()                            # nothing trained: a fresh start
   training.check_run_record(tmp_path, training.run_record(other, pretrain=False))
   assert json.loads((tmp_path / "run.json").read_text())["job"] == "train.distill"
+
+
+def _damage(workdir, step):
+  """A step directory whose metadata file is garbage (a torn write)."""
+  (workdir / "checkpoints" / str(step) / "meta" / "metadata").write_text("garbage")
+
+
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumed(tmp_path,
+                                                                                caplog):
+  tr, params = pretrainer(tmp_path)
+  tr.run(params)
+  _damage(tmp_path, 3)
+  tr, params = pretrainer(tmp_path, steps=4)
+  with caplog.at_level(logging.WARNING, logger="specjax"):
+    tr.run(params)
+  assert tr.steps_run == 2 and saved_steps(tmp_path) == [3, 4]     # resumed from step 2
+  kept = tmp_path / "checkpoints.damaged" / "3"
+  assert (kept / "meta" / "metadata").read_text() == "garbage"     # never deleted
+  assert (f"the checkpoint of step 3 ({tmp_path / 'checkpoints' / '3'}) is damaged (Expecting "
+          f"value: line 1 column 1 (char 0)): resuming from step 2, the latest good one; the "
+          f"damaged one is kept in {kept}") in caplog.text
+
+
+def test_no_good_checkpoint_is_refused_naming_each_and_nothing_moves(tmp_path):
+  tr, params = pretrainer(tmp_path)
+  tr.run(params)
+  for step in (2, 3):
+    _damage(tmp_path, step)
+  tr, params = pretrainer(tmp_path, steps=4)
+  with pytest.raises(checkpoint.DamagedCheckpointError) as err:
+    tr.run(params)
+  where = tmp_path / "checkpoints"
+  assert str(err.value).startswith(
+      f"no checkpoint in {where} can be restored: step 3 ({where / '3'}): Expecting value")
+  assert f"move them away (mv {where} {tmp_path / 'checkpoints.damaged'})" in str(err.value)
+  assert saved_steps(tmp_path) == [2, 3] and not (tmp_path / "checkpoints.damaged").exists()
+
+
+def test_a_workdir_without_run_record_or_metadata_is_adopted_with_a_warning(tmp_path, caplog):
+  """Item 6: exported params only (no checkpoint metadata to tell the job): adopted, warned."""
+  (tmp_path / "params").mkdir()
+  record = {"job": "train.distill", "fields": {}}
+  with caplog.at_level(logging.WARNING, logger="specjax"):
+    training.check_run_record(tmp_path, record)
+  assert f"--workdir {tmp_path} has training state but no run.json (written by a specjax from " \
+         f"before run records): adopting it as this train.distill run" in caplog.text
+  assert json.loads((tmp_path / "run.json").read_text()) == record

@@ -141,10 +141,46 @@ def check_run_record(workdir: Path, record: dict) -> None:
     if problem:
       raise ConfigError(f"--workdir {workdir} {problem}. Nothing was written")
   elif has_training_state(workdir):
-    log.warning("%s has training state but no %s (an older specjax): resuming, and recording "
-                "this run's settings", workdir, RUN_FILE)
+    check_checkpoint_job(workdir, record["job"])
+    log.warning("--workdir %s has training state but no %s (written by a specjax from before "
+                "run records): adopting it as this %s run and recording its settings there; if "
+                "it holds another job or other models, data or loss, stop now and choose another "
+                "--workdir", workdir, RUN_FILE, record["job"])
   if saved != record and jax.process_index() == 0:
     ckpt_lib.write_json(path, record)
+
+
+def check_checkpoint_job(workdir: Path, job: str) -> None:
+  """A workdir without run.json: refuse it when its latest checkpoint's metadata shows another
+  job (train.pretrain trains with loss nll, train.distill never does). No metadata: allowed."""
+  found = _latest_checkpoint_meta(workdir)
+  if found is None:
+    return
+  step, meta = found
+  loss = (meta.get("config") or {}).get("loss")
+  if loss is None:
+    return
+  saved_job = "train.pretrain" if loss == "nll" else "train.distill"
+  if saved_job != job:
+    raise ConfigError(f"--workdir {workdir} has no {RUN_FILE}, but its checkpoint of step {step} "
+                      f"was written by {saved_job} (loss {loss}), and this is {job}: give each "
+                      f"job its own --workdir (a pretrained model goes into distillation as "
+                      f"--config.ROLE.init_from=ITS_WORKDIR). Nothing was written")
+
+
+def _latest_checkpoint_meta(workdir: Path) -> tuple[int, dict] | None:
+  """(step, meta) of the newest checkpoint whose metadata file reads as JSON, else None."""
+  steps = workdir / "checkpoints"
+  numbered = sorted((int(p.name) for p in steps.iterdir() if p.name.isdigit()), reverse=True) \
+      if steps.is_dir() else []
+  for step in numbered:
+    try:
+      meta = json.loads((steps / str(step) / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+      continue
+    if isinstance(meta, dict):
+      return step, meta
+  return None
 
 
 def record_mismatch(saved: dict, record: dict) -> str:

@@ -81,14 +81,14 @@ def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = Tru
 def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: int = 32) -> dict:
   encoded = dec.prepare(prompts[:1])
   gamma = dec.settings.gamma
-  target, draft = dec.target, dec.draft
-  probes = timing.cost_probes(target.model, target.params, draft.model, draft.params,
-                              encoded.target, encoded.draft, dec.rule, gamma,
-                              dec.settings.max_new_tokens, steps, [gamma + 1])
+  target, draft = dec.target, dec.draft_model      # None: prompt lookup, no draft pass
+  probes = timing.cost_probes(target.model, target.params, draft and draft.model,
+                              draft and draft.params, encoded.target, encoded.draft, dec.rule,
+                              gamma, dec.settings.max_new_tokens, steps, [gamma + 1])
   runs = time_decoding({"ar": dec.target_only(), "sd": dec}, prompts,
                        jax.random.PRNGKey(seed), repeats, probes=probes)
   ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]
-  t1, tv, d1 = (runs[name] / steps for name in ("t1", f"t{gamma + 1}", "d1"))
+  t1, tv, d1 = (runs.get(name, 0.0) / steps for name in ("t1", f"t{gamma + 1}", "d1"))
   c, v = d1 / t1, tv / t1
   tau, alpha = stats.get("block_efficiency", 1.0), stats.get("acceptance_rate", 0.0)
   per_token = lambda r: 1e3 * r["total_s"] / r["tokens"]

@@ -64,12 +64,14 @@ def cost_probes(target, target_params, draft, draft_params, prompt, draft_prompt
                 gamma: int, max_new: int, steps: int, widths=()) -> dict:
   """Calls for the cost model's probes, each `steps` passes with the caches speculative decoding
   at `gamma` uses: "t1" the target over one token, "t{w}" over w tokens for each of `widths`
-  (a verify pass: w = gamma + 1), "d1" the draft over one token."""
+  (a verify pass: w = gamma + 1), "d1" the draft over one token (none for a drafter without a
+  model, draft None: its c is 0)."""
   def cap(model, p, is_draft=False):
     return speculative.reserve(rule, gamma, is_draft).need(prompting.prefix_len(model, p), max_new)
   t_cap = cap(target, prompt)
   probes = {f"t{w}": step_loop(target, target_params, prompt, w, t_cap, steps)
             for w in (1, *widths)}
-  probes["d1"] = step_loop(draft, draft_params, draft_prompt, 1,
-                           cap(draft, draft_prompt, True), steps)
+  if draft is not None:
+    probes["d1"] = step_loop(draft, draft_params, draft_prompt, 1,
+                             cap(draft, draft_prompt, True), steps)
   return probes

@@ -1,13 +1,13 @@
 """specjax: speculative decoding and DistillSpec in JAX/Flax.
 
 The Python API (specjax.api, docs/api.md): `load`, `generate`, `SpeculativeDecoder`, `Result`,
-`LoadedModel`, `UsageError`, imported on first use so that `import specjax.models...` stays
+`LoadedModel`, `NGram` (prompt lookup), `UsageError`, imported on first use so that `import specjax.models...` stays
 light.
 """
 
 __version__ = "0.1.0"
 
-_API = ("LoadedModel", "Result", "SpeculativeDecoder", "UsageError", "generate", "load")
+_API = ("LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError", "generate", "load")
 __all__ = ["__version__", *_API]
 
 

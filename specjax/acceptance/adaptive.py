@@ -67,6 +67,9 @@ def _mean(total: jax.Array, count: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Adaptive(base.Rule):
   """AdaSD with the open choices of papers/adasd.md §7 as fields (defaults: the chosen ones)."""
+  needs_draft_law: ClassVar[str] = ("AdaSD stops drafting on q's entropy and accepts on the "
+                                    "JS distance to q, which a one-hot q leaves at 0 and at "
+                                    "their maximum")
   max_window: int = 20
   min_window: int = 1
   entropy_stop: bool = True      # False: fixed window of max_window drafts (Verify-Only)

@@ -50,6 +50,9 @@ class Rule:
   # Fields whose values the compiled loop takes as arguments (leaves of the rule's pytree), so that
   # another value reuses the program; every other field is static (part of the jit cache key).
   traced: ClassVar[tuple[str, ...]] = ()
+  # Why the rule cannot verify a drafter's one-hot q (prompt lookup), "" when it can: rules that
+  # read q beyond the drafted token's mass (a divergence, an entropy) have nothing to read.
+  needs_draft_law: ClassVar[str] = ""
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)

@@ -61,6 +61,8 @@ def _as_tuple(threshold: float | tuple[float, ...]) -> tuple[float, ...]:
 @dataclasses.dataclass(frozen=True)
 class Fuzzy(base.Rule):
   """FSD: accept draft j iff Div(p_j, q_j) < threshold (row-wise), resample from warped p."""
+  needs_draft_law: ClassVar[str] = ("fuzzy SD accepts on a divergence between p and q, and a "
+                                    "one-hot q is no draft distribution (KL(p||q) is infinite)")
   threshold: float | tuple[float, ...] = 0.5
   divergence: str = "js_m"
   k: int = 50                    # top-k size for the NAME_topk divergences

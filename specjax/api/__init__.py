@@ -12,5 +12,7 @@ from specjax.api.decoder import SpeculativeDecoder, generate
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel, load
 from specjax.api.results import Result
+from specjax.decoding.ngram import NGram
 
-__all__ = ["LoadedModel", "Result", "SpeculativeDecoder", "UsageError", "generate", "load"]
+__all__ = ["LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError", "generate",
+           "load"]

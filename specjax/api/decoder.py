@@ -34,6 +34,8 @@ from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Specula
                                  StringLevel, check_same_vocabulary, check_sprinter,
                                  formatted_text, placed)
 from specjax.api.results import Result, aggregate, stats_rows
+from specjax.decoding import speculative
+from specjax.decoding.ngram import NGram
 from specjax.sprinter import verifier as sprinter_verifier
 
 STRING_LEVEL = ("slem", "slrs")
@@ -48,7 +50,9 @@ Stream = Callable[[int, str], None]
 class SpeculativeDecoder:
   """A target, an optional draft and a rule, ready to decode many times.
 
-  target, draft: LoadedModel (specjax.load). rule: a rule name or an acceptance rule object
+  target, draft: LoadedModel (specjax.load); draft may also be prompt lookup, "ngram" or
+  specjax.NGram(ngram_max=3, ngram_min=1): no model, drafts copied from the prompt and the
+  output (rules exact, greedy, lenient, hf_greedy_draft). rule: a rule name or an acceptance rule object
   (None: "exact" with a draft; the target alone without one). gamma: draft tokens per block.
   mesh: a ('data', 'model') jax.sharding.Mesh to place the params on and decode over (None: one
   device). max_len: cache positions of every model (0: just enough for each batch).
@@ -59,11 +63,12 @@ class SpeculativeDecoder:
   call with the same settings and prompt buckets compiles nothing (docs/api.md lists what
   recompiles). Raises UsageError (and the loaders' errors) before anything is compiled."""
 
-  def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, *,
+  def __init__(self, target: LoadedModel, draft: LoadedModel | NGram | str | None = None, *,
                rule: str | Rule | None = None, gamma: int = 4, mesh=None, max_len: int = 0,
                **rule_args):
     _check_model(target, "target")
-    if draft is not None:
+    draft = NGram() if draft == "ngram" else draft
+    if draft is not None and not isinstance(draft, NGram):
       _check_model(draft, "draft")
     if mesh is not None and (not isinstance(mesh, jax.sharding.Mesh)
                              or set(mesh.axis_names) != {"data", "model"}):
@@ -107,9 +112,9 @@ class SpeculativeDecoder:
                   stats=aggregate([st for _, _, st in out]), row_stats=[st for _, _, st in out])
 
 
-def generate(target: LoadedModel, prompts: Prompts, *, draft: LoadedModel | None = None,
-             rule: str | Rule | None = None, gamma: int = 4, mesh=None, max_len: int = 0,
-             **kwargs) -> Result:
+def generate(target: LoadedModel, prompts: Prompts, *,
+             draft: LoadedModel | NGram | str | None = None, rule: str | Rule | None = None,
+             gamma: int = 4, mesh=None, max_len: int = 0, **kwargs) -> Result:
   """One call: SpeculativeDecoder(target, draft, rule=rule, gamma=gamma, mesh=mesh,
   max_len=max_len, **rule_args).generate(prompts, **decode_args), where kwargs holds both
   (the decode arguments of SpeculativeDecoder.generate; every other name is a rule argument).
@@ -180,6 +185,8 @@ def _method(target, draft, rule, rule_args: dict, settings: DecodeSettings, mesh
                           mesh=mesh)
   rule = "exact" if rule is None else rule
   target = placed(target, mesh, True, "the target")
+  if isinstance(draft, NGram):
+    return _lookup(target, draft, rule, rule_args, settings, mesh)
   if rule in STRING_LEVEL:
     return _string_level(target, draft, rule, rule_args, settings, mesh)
   draft = placed(draft, mesh, False, "the draft")
@@ -187,6 +194,19 @@ def _method(target, draft, rule, rule_args: dict, settings: DecodeSettings, mesh
     return _sprinter(target, draft, rule_args, settings, mesh)
   return Speculative(target=target, settings=settings, mesh=mesh, draft=draft,
                      rule=rules.make(rule, rule_args, target, draft))
+
+
+def _lookup(target, drafter: NGram, rule, args: dict, settings, mesh) -> Speculative:
+  """Prompt lookup verified by a same-vocabulary rule that reads no draft distribution."""
+  if rule in METHOD_RULES:
+    raise UsageError(f"rule={rule!r} is a method with a draft model of its own; prompt lookup "
+                     f"drafts for {speculative.LOOKUP_RULES}")
+  refusal = speculative.lookup_refusal(rules.rule_class(rule) if isinstance(rule, str) else rule)
+  if refusal:
+    raise UsageError(refusal)
+  # The drafter proposes the target's own ids: the target stands for the draft's vocabulary.
+  return Speculative(target=target, settings=settings, mesh=mesh, draft=drafter,
+                     rule=rules.make(rule, args, target, target))
 
 
 def _string_level(target, draft, method: str, args: dict, settings, mesh) -> StringLevel:

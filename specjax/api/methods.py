@@ -25,6 +25,7 @@ from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.data import tokenizer as tokenizer_lib
 from specjax.decoding import autoregressive, sharded, speculative, string_level
+from specjax.decoding.ngram import NGram
 from specjax.decoding.state import Generation, Reserve
 from specjax.models import prompting
 from specjax.models.prompting import Prompt
@@ -137,7 +138,9 @@ class Method:
 
   @property
   def draft_model(self) -> LoadedModel | None:
-    return getattr(self, "draft", None)
+    """The draft model (None: no draft, or a drafter without a model such as prompt lookup)."""
+    draft = getattr(self, "draft", None)
+    return draft if isinstance(draft, LoadedModel) else None
 
   def room(self, loaded: LoadedModel) -> prompt_fit.Room | None:
     """How long a prompt `loaded`'s cache can hold (None: no bound, a T5 encoder without
@@ -290,15 +293,17 @@ def _positions(model) -> int | None:
 @register("speculative")
 @dataclasses.dataclass(frozen=True)
 class Speculative(Method):
-  """Draft-then-verify blocks in one jitted loop, with any registered acceptance rule."""
-  draft: LoadedModel = None
+  """Draft-then-verify blocks in one jitted loop, with any registered acceptance rule. The draft
+  is a model, or prompt lookup (NGram: no model; the rules of speculative.lookup_refusal)."""
+  draft: LoadedModel | NGram = None
   rule: object = None
   name: ClassVar[str] = "speculative"
   streams: ClassVar[bool] = True
 
   @property
   def label(self) -> str:
-    return self.rule.rule_name
+    lookup = f" + {self.draft.name}" if isinstance(self.draft, NGram) else ""
+    return self.rule.rule_name + lookup
 
   def reserve(self, loaded: LoadedModel) -> Reserve:
     if loaded.model.is_encoder_decoder:
@@ -307,11 +312,13 @@ class Speculative(Method):
 
   def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
     s = self.settings
+    draft, params = ((self.draft, None) if isinstance(self.draft, NGram) else
+                     (self.draft.model, self.draft.params))
     return speculative.generate(
-        self.target.model, self.target.params, self.draft.model, self.draft.params,
-        prompts.target, key, rule=self.rule, gamma=s.gamma, max_new_tokens=s.max_new_tokens,
-        warp=s.warp, eos_id=self.eos_id, draft_prompt=prompts.draft, max_len=self.max_len,
-        mesh=self.mesh, on_chunk=on_chunk)
+        self.target.model, self.target.params, draft, params, prompts.target, key,
+        rule=self.rule, gamma=s.gamma, max_new_tokens=s.max_new_tokens, warp=s.warp,
+        eos_id=self.eos_id, draft_prompt=prompts.draft, max_len=self.max_len, mesh=self.mesh,
+        on_chunk=on_chunk)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,13 +27,16 @@ from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Prompts
                                  formatted_text, names)
 from specjax.app import builders, resolve
 from specjax.app.config import ConfigError
+from specjax.decoding import speculative as speculative_loop
+from specjax.decoding.ngram import NGram
 from specjax.sprinter import verifier as sprinter_verifier
 
 
 def method_name(config, draft_role: str = "draft") -> str:
   """The method a config asks for (see the module docstring)."""
   rule = builders.section(config, "rule").get("name", "")
-  if not (builders.section(config, draft_role).get("checkpoint") and rule):
+  draft = builders.section(config, draft_role)
+  if not ((draft.get("checkpoint") or draft.get("method") == "ngram") and rule):
     return "autoregressive"
   return rule if rule in api_methods.names() else "speculative"
 
@@ -100,16 +103,47 @@ def autoregressive(config, target_role: str = "target", draft_role: str = "draft
                         settings=builders.decode_settings(config), mesh=mesh)
 
 
+@dataclasses.dataclass(frozen=True)
+class DrafterSettings:
+  """The drafter fields of a draft section (configs/common.draft)."""
+  method: str = "model"          # model: the checkpoint drafts; ngram: prompt lookup
+  ngram_max: int = 3
+  ngram_min: int = 1
+
+
+def drafter(config, role: str = "draft") -> NGram | None:
+  """Prompt lookup when the draft section says method=ngram; None: its checkpoint drafts."""
+  values = {k: v for k, v in builders.section(config, role).items() if k in builders.DRAFTER_KEYS}
+  spec = builders.typed(DrafterSettings, values, role)
+  if spec.method == "model":
+    return None
+  if spec.method != "ngram":
+    raise ConfigError(f"--config.{role}.method={spec.method!r}: use model (the checkpoint "
+                      f"drafts) or ngram (prompt lookup)")
+  try:
+    return NGram(ngram_max=spec.ngram_max, ngram_min=spec.ngram_min)
+  except ValueError as err:
+    raise ConfigError(f"{err} (--config.{role}.ngram_min, --config.{role}.ngram_max)") from None
+
+
 def speculative(config, draft_role: str = "draft") -> Speculative:
   """Speculative decoding with the registered acceptance rule of `rule.name`."""
   mesh = mesh_from_config(config)
   name = builders.section(config, "rule").get("name", "")
   try:
-    registry.rule_class(name)
+    cls = registry.rule_class(name)
   except registry.UnknownRuleError as err:
     raise ConfigError(f"unknown acceptance rule {name!r} (--config.rule.name): acceptance "
                       f"rules are {', '.join(err.known)}; decoding methods are "
                       f"{', '.join(n for n in names() if n != 'speculative')}") from None
+  lookup = drafter(config, draft_role)
+  if lookup is not None:
+    refusal = speculative_loop.lookup_refusal(cls)
+    if refusal:
+      raise ConfigError(f"{refusal} (--config.rule.name; --config.{draft_role}.method=ngram)")
+    return Speculative(target=load_placed(config, "target", mesh, target=True),
+                       settings=builders.decode_settings(config), mesh=mesh, draft=lookup,
+                       rule=builders.rule(config))
   target, draft = _load_pair(config, "target", draft_role, mesh)
   try:
     fixed = api_rules.fixed_args(name, target, draft, rule_flag="--config.rule.name")

@@ -77,8 +77,11 @@ def check_overrides_apply(config, overrides) -> None:
   config's own values are never refused (tiny.py's rule is there for when a draft is given)."""
   if methods.method_name(config) != "autoregressive":
     return
-  given = [o.removeprefix("--").removeprefix("config.") for o in overrides]
-  ignored = [f"--config.{o}" for o in given
+  # The last override of a key is the one that counts (an earlier --config.draft.checkpoint=PATH
+  # emptied by a later --config.draft.checkpoint= is the user turning the draft off).
+  last = {o.partition("=")[0]: o for o in (o.removeprefix("--").removeprefix("config.")
+                                           for o in overrides)}
+  ignored = [f"--config.{o}" for o in last.values()
              if o.startswith(DRAFT_ONLY) and o not in TURNS_OFF]
   if not ignored:
     return

@@ -19,11 +19,18 @@ def model(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.C
                                         **fields))
 
 
+def draft(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.ConfigDict:
+  """The draft section: a model section plus the drafter (`method`: "model", the checkpoint
+  drafts; "ngram", prompt lookup: no model, the longest suffix of ngram_max down to ngram_min
+  tokens matched in the prompt and the output)."""
+  return model(checkpoint, dtype, method="model", ngram_max=3, ngram_min=1, **fields)
+
+
 def embedded_pair(config: ml_collections.ConfigDict, pair: str) -> None:
   """The sections of an embedded pair (specjax.app.zoo builds it on first use): the target, the
   DistillSpec-distilled draft (`draft`) and the same draft before distillation (`draft_raw`)."""
   config.target = model(f"builtin:{pair}/target")
-  config.draft = model(f"builtin:{pair}/draft_distilled")
+  config.draft = draft(f"builtin:{pair}/draft_distilled")
   config.draft_raw = model(f"builtin:{pair}/draft")
 
 

@@ -33,7 +33,7 @@ PROMPTS = (
 def get_config():
   c = ml_collections.ConfigDict()
   c.target = common.model(TARGET, "bfloat16")
-  c.draft = common.model(DRAFT, "bfloat16")
+  c.draft = common.draft(DRAFT, "bfloat16")
   c.rule = common.rule("exact")
   c.decode = common.decode(gamma=4, temperature=0.7, max_new_tokens=128, chat=True)
   c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard

@@ -37,7 +37,7 @@ PROMPTS = (
 def get_config():
   c = ml_collections.ConfigDict()
   c.target = common.model("pypi:qwen-coder/target")
-  c.draft = common.model("pypi:qwen-coder/draft")
+  c.draft = common.draft("pypi:qwen-coder/draft")
   c.rule = common.rule("greedy")
   c.decode = common.decode(gamma=4, temperature=0.0, max_new_tokens=64)
   c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard

@@ -19,7 +19,7 @@ from specjax.configs import common
 def get_config():
   c = ml_collections.ConfigDict()
   c.target = common.model("builtin:tiny/target")
-  c.draft = common.model("builtin:tiny/draft_distilled")
+  c.draft = common.draft("builtin:tiny/draft_distilled")
   c.verifier = ml_collections.ConfigDict(dict(
       workdir="runs/sprinter_tiny", features="A", mlp_width=0, lam=1.2, threshold=0.5,
       gamma_max=8, cont_len=20, mix_prob=0.5, num_sequences=1024, batch_rows=64,

@@ -15,7 +15,7 @@ from specjax.configs import common
 def get_config():
   c = ml_collections.ConfigDict()
   c.target = common.model("google/t5-v1_1-xl", "bfloat16")
-  c.draft = common.model("google/t5-v1_1-small", "bfloat16")
+  c.draft = common.draft("google/t5-v1_1-small", "bfloat16")
   c.rule = common.rule("exact")
   c.decode = common.decode(gamma=5, temperature=0.0)
   c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard

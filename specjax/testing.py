@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.acceptance import base, exact
 from specjax.models import Prompt
 from specjax.models import kv_cache
 
@@ -211,3 +212,14 @@ def check_extend_variants(model, params, tokens, cache, select) -> None:
     span = slice(start, start + tokens.shape[1])
     np.testing.assert_array_equal(np.swapaxes(k[:, b], 1, 2), written.k[:, b, :, span])
     np.testing.assert_array_equal(np.swapaxes(v[:, b], 1, 2), written.v[:, b, :, span])
+
+
+@dataclasses.dataclass(frozen=True)
+class ResampleFromP(exact.Exact):
+  """A broken exact rule, for the law tests' power: after a rejection it resamples from p
+  instead of norm(max(0, p - q)), so the rejected proposal can be drawn again."""
+
+  def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
+    n, nxt = base.rejection_verify(draft_tokens, draft_len, q_logp, p_logp, keys,
+                                   lambda log_p: log_p, residual=False)
+    return n, nxt, rule_state

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specjax import sampling, testing
-from specjax.acceptance import base, exact, registry
+from specjax.acceptance import base, registry
 from specjax.decoding import speculative
 from specjax.models import Prompt
 from specjax.sampling import Warp
@@ -20,14 +18,7 @@ MODEL = testing.ToyAR(V, 6)
 N_RUNS = 200_000
 
 
-@dataclasses.dataclass(frozen=True)
-class _ResampleFromP(exact.Exact):
-  """Mutant: after a rejection it resamples from p instead of norm(max(0, p - q))."""
-
-  def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
-    n, nxt = base.rejection_verify(draft_tokens, draft_len, q_logp, p_logp, keys,
-                                   lambda log_p: log_p, residual=False)
-    return n, nxt, rule_state
+_ResampleFromP = testing.ResampleFromP
 
 
 def _tables(kind):

@@ -4,7 +4,6 @@ does not), and which rules it refuses."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 from specjax import testing
-from specjax.acceptance import base, exact, registry
+from specjax.acceptance import registry
 from specjax.decoding import autoregressive, speculative
 from specjax.decoding.ngram import NGram
 from specjax.models import Prompt
@@ -76,14 +75,7 @@ MODEL = testing.ToyAR(V, 10)
 N_RUNS = 100_000
 
 
-@dataclasses.dataclass(frozen=True)
-class _ResampleFromP(exact.Exact):
-  """Broken: after a rejection it resamples from p, which can redraw the rejected proposal."""
-
-  def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
-    n, nxt = base.rejection_verify(draft_tokens, draft_len, q_logp, p_logp, keys,
-                                   lambda log_p: log_p, residual=False)
-    return n, nxt, rule_state
+_ResampleFromP = testing.ResampleFromP
 
 
 def _pvalue(rule) -> float:

@@ -5,37 +5,21 @@ next save, named at the step where it happened, and never checkpointed; eval hoo
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import testing
-from specjax.distill import data, trainer
+from specjax.distill import trainer
 from specjax.distill import step as step_lib
-
-STUDENT = dict(seed=2, vocab_size=32, d_model=16, num_layers=1, num_heads=2, d_ff=32)
-
+from tests import test_train_robustness as robustness
+from tests.test_train_robustness import records, saved_steps  # noqa: F401
 
 def pretrainer(workdir, **kw):
-  student, params = testing.tiny_decoder(**STUDENT)
-  source = data.MarkovSource(vocab_size=32, batch_size=4, prompt_len=4, target_len=6)
-  settings = dict(steps=10, batch_size=4, learning_rate=1e-2, warmup_steps=0, loss="nll",
-                  lambda1=1.0, lambda2=0.0, log_every=5, checkpoint_every=100,
-                  async_checkpoint=False, progress=False)
-  cfg = trainer.TrainConfig(**{**settings, **kw})
-  return trainer.Trainer(cfg, student, None, source, workdir, eos_id=1,
-                         model_desc=repr(student)), params
-
-
-def records(workdir):
-  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-def saved_steps(workdir):
-  return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  """The robustness tests' tiny NLL trainer, over 10 steps with records every 5 and no
+  checkpoint between (the tests below set their own)."""
+  settings = dict(steps=10, log_every=5, checkpoint_every=100, keep_checkpoints=100)
+  return robustness.pretrainer(workdir, **{**settings, **kw})
 
 
 def test_no_host_wait_between_records(tmp_path, monkeypatch):

@@ -131,3 +131,17 @@ def test_fit_width():
   np.testing.assert_array_equal(mask.sum(1), [3, 4])
   targets, mask = data.fit_width(tokens, jnp.array([3, 4]), 2)
   np.testing.assert_array_equal(targets, [[5, 6], [7, 8]])
+
+
+def test_on_policy_sampling_reads_nothing_back_to_the_host():
+  """The sampler's generation leaves its finite check to the trainer's (a non-finite student or
+  teacher makes a non-finite loss): no device-to-host transfer per training step."""
+  teacher, t_params = testing.tiny_decoder(seed=1, vocab_size=32, d_model=16, num_layers=1)
+  student, s_params = testing.tiny_decoder(seed=2, vocab_size=32, d_model=16, num_layers=1)
+  src = data.MarkovSource(vocab_size=32, batch_size=4, prompt_len=3, target_len=6)
+  sampler = data.Sampler(student, teacher, eos_id=1, temperature=1.0)
+  batch, key = src.batch(0), jax.random.PRNGKey(5)
+  sampler(data.STUDENT, batch, s_params, t_params, key)         # compiled outside the guard
+  with jax.transfer_guard_device_to_host("disallow"):
+    out = sampler(data.STUDENT, batch, s_params, t_params, key)
+  assert out.targets.shape == (4, 6)

@@ -66,7 +66,8 @@ class Setup:
 
 def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: int,
              warp: sampling.Warp, eos_id: int | Sequence[int] | None, max_len: int | None = None,
-             mesh=None, on_chunk: OnChunk | None = None, chunk_blocks: int = 1) -> Generation:
+             mesh=None, on_chunk: OnChunk | None = None, chunk_blocks: int = 1,
+             check_finite: bool = True) -> Generation:
   """Sample up to max_new_tokens per row from the (warped) target.
 
   key: one PRNG key (row b uses fold_in(key, b)) or per-row keys [B]. max_len: cache size
@@ -74,7 +75,8 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one device.
   on_chunk: streaming, as in speculative.generate (chunks of `chunk_blocks` steps; one device).
   Raises NonFiniteLogitsError if the model's logits held NaN / inf (instead of returning the
-  tokens sampled from them).
+  tokens sampled from them); check_finite=False skips that host read (gen.stats.nonfinite holds
+  the flags: training, whose device-side finite check sees the same weights' loss).
   """
   check_lengths(max_new_tokens, prompt)
   need = RESERVE.need(prompting.prefix_len(model, prompt), max_new_tokens)
@@ -90,7 +92,7 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
                   lambda: sharded.generate(loop, setup, (model,), (params,), (prompt,), keys,
                                            max_new_tokens, warp),
                   mesh=mesh, max_new=max_new_tokens, models=(model,), on_chunk=on_chunk,
-                  chunk_blocks=chunk_blocks)
+                  chunk_blocks=chunk_blocks, check=check_finite)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -237,21 +237,22 @@ Start = Callable[[], "tuple[SpecState, Callable[[SpecState, int], SpecState]]"]
 
 def run_loop(whole: Callable[[], SpecState], start: Start, on_mesh: Callable[[], Generation], *,
              mesh, max_new: int, models: tuple, on_chunk: OnChunk | None = None,
-             debug: bool = False, chunk_blocks: int = 1) -> Generation:
+             debug: bool = False, chunk_blocks: int = 1, check: bool = True) -> Generation:
   """The front end every jitted loop shares: on a mesh the sharded program (`on_mesh`); with
   on_chunk (streaming) or debug the chunked form driven from the host (`start`, chunks of
   chunk_blocks blocks; debug: one block per call); else the whole generation in one compiled call
   (`whole`). Then the tokens cut to max_new and the finite check naming the model (models:
-  target, then draft)."""
+  target, then draft); check=False leaves it to the caller (stats.nonfinite), with no host read."""
+  verdict = (lambda gen: check_finite(gen, *models)) if check else (lambda gen: gen)
   if mesh is not None:
     if debug or on_chunk is not None:
       raise ValueError("debug=True and on_chunk step the loop from the host on one device: "
                        "leave mesh unset")
-    return check_finite(on_mesh(), *models)
+    return verdict(on_mesh())
   if debug or on_chunk is not None:
     state, advance = start()
     blocks = 1 if debug else chunk_blocks
     state = drive(state, lambda s: advance(s, blocks), on_chunk)
   else:
     state = whole()
-  return check_finite(finish(state, max_new), *models)
+  return verdict(finish(state, max_new))

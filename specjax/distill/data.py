@@ -107,8 +107,12 @@ class Sampler:
     model, params = ((self.student, student_params) if source == STUDENT
                      else (self.teacher, teacher_params))
     width = batch.targets.shape[1]
+    # No host read of the finite flags: a non-finite student makes a non-finite loss, which the
+    # trainer checks on the device before each save (distill/step.py); a non-finite teacher
+    # does too, through the distillation target.
     gen = autoregressive.generate(model, params, batch.prompt, key, max_new_tokens=width,
-                                  warp=Warp(temperature=self.temperature), eos_id=self.eos_id)
+                                  warp=Warp(temperature=self.temperature), eos_id=self.eos_id,
+                                  check_finite=False)
     targets, mask = fit_width(gen.tokens, gen.lengths, width, self.pad_id)
     sharding = getattr(batch.targets, "sharding", None)
     if sharding is not None:

@@ -49,101 +49,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import flags, timing, trace
+from eval import flags, roofline, shapes, timing, trace
+from eval.shapes import SHAPES
 from specjax.acceptance import base
 from specjax.api import results
 from specjax.app import cli, outputs
 from specjax.decoding import autoregressive, speculative
-from specjax.models import hf_import, prompting
+from specjax.models import prompting
 from specjax.models import layers as layouts
 from specjax.models.prompting import Prompt
 from specjax.sampling import Warp
-
-# ------------------------------------------------------------------------------ shapes
-
-_QWEN = dict(model_type="qwen2", hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6,
-             max_position_embeddings=32768)
-QWEN_0_5B = dict(_QWEN, vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                 num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 tie_word_embeddings=True)
-QWEN_CODER_1_5B = dict(_QWEN, vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                       tie_word_embeddings=True)
-QWEN_7B = dict(_QWEN, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-               tie_word_embeddings=False)
-_LLAMA3 = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=500000.0,
-               max_position_embeddings=131072, vocab_size=128256, num_key_value_heads=8)
-LLAMA_8B = dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, tie_word_embeddings=False,
-                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                  high_freq_factor=4.0, original_max_position_embeddings=8192))
-LLAMA_1B = dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, head_dim=64, tie_word_embeddings=True,
-                rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                  high_freq_factor=4.0, original_max_position_embeddings=8192))
-_T5 = dict(model_type="t5", vocab_size=32128, d_kv=64, feed_forward_proj="gated-gelu",
-           tie_word_embeddings=False, relative_attention_num_buckets=32,
-           relative_attention_max_distance=128, decoder_start_token_id=0, eos_token_id=1,
-           pad_token_id=0)
-T5_XL = dict(_T5, d_model=2048, d_ff=5120, num_heads=32, num_layers=24)
-T5_SMALL = dict(_T5, d_model=512, d_ff=1024, num_heads=6, num_layers=8)
-# A draft of at most 150M parameters for the 1.5B target (most of it the 151936-row table): the
-# 0.5B's 24 layers cost a GPU half a target step in launches alone.
-QWEN_90M = dict(_QWEN, vocab_size=151936, hidden_size=512, intermediate_size=1536,
-                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                tie_word_embeddings=True)
-
-# name -> (target, draft) config.json contents, in priority order. The draft takes the target's
-# vocabulary size (Qwen2.5-7B pads its table to 152064; the 0.5B's has 151936 rows): speculative
-# decoding reads draft ids as target ids.
-SHAPES = {
-    "qwen-coder-1.5b": (QWEN_CODER_1_5B, QWEN_0_5B),
-    "qwen-coder-1.5b-90m": (QWEN_CODER_1_5B, QWEN_90M),
-    "qwen2.5-7b": (QWEN_7B, QWEN_0_5B),
-    "llama-3.1-8b": (LLAMA_8B, LLAMA_1B),
-    "t5-xl": (T5_XL, T5_SMALL),
-}
-
-# device_kind prefix -> (memory bandwidth TB/s, dense bf16 TFLOP/s), the vendors' datasheets.
-PEAKS = {
-    "TPU v4": (1.2, 275.0), "TPU v5 lite": (0.819, 197.0), "TPU v5e": (0.819, 197.0),
-    "TPU v5p": (2.765, 459.0), "TPU v5": (2.765, 459.0), "TPU v6 lite": (1.64, 918.0),
-    "TPU v6e": (1.64, 918.0), "NVIDIA A100": (2.039, 312.0), "NVIDIA H100": (3.35, 989.0),
-    "NVIDIA H200": (4.8, 989.0),
-}
-
-
-def scaled(cfg: dict, n: int) -> dict:
-  """A config.json with every width, head count, layer count and the vocabulary divided by n
-  (at least 8 wide, 2 layers, one head; query heads stay a multiple of the KV heads)."""
-  if n == 1:
-    return dict(cfg)
-  cut = lambda v, low=8: max(low, v // n // 8 * 8)
-  out = dict(cfg, vocab_size=cut(cfg["vocab_size"]))
-  if cfg["model_type"] == "t5":
-    heads = max(1, cfg["num_heads"] // n)
-    return dict(out, d_model=cut(cfg["d_model"]), d_ff=cut(cfg["d_ff"]), num_heads=heads,
-                d_kv=max(8, cut(cfg["d_model"]) // heads), num_layers=max(2, cfg["num_layers"] // n))
-  kv = max(1, cfg["num_key_value_heads"] // n)
-  heads = max(kv, cfg["num_attention_heads"] // n // kv * kv)
-  hidden = cut(cfg["hidden_size"])
-  return dict(out, hidden_size=hidden, intermediate_size=cut(cfg["intermediate_size"]),
-              num_hidden_layers=max(2, cfg["num_hidden_layers"] // n), num_attention_heads=heads,
-              num_key_value_heads=kv, head_dim=max(8, hidden // heads))
-
-
-def build(cfg: dict, directory: pathlib.Path, seed: int, precision: str | None = None,
-          layers: str = "auto", dtype: str = "bfloat16"):
-  """(model, random params) of a config.json written to `directory`, built as a checkpoint of it
-  would be (hf_import; layers: the layer layout, "auto" the backend's default; precision None:
-  the model's default)."""
-  directory.mkdir(parents=True, exist_ok=True)
-  (directory / "config.json").write_text(json.dumps(cfg))
-  model = hf_import.model_from_dir(directory, dtype, precision,
-                                   scan_layers=layouts.scan_layers(layers))
-  return model, jax.block_until_ready(model.init_params(jax.random.PRNGKey(seed)))
-
 
 # ------------------------------------------------------------------------------ the knob
 
@@ -164,60 +79,6 @@ class SetAcceptance(base.Rule):
 
 def expected_tau(alpha: float, gamma: int) -> float:
   return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-# ------------------------------------------------------------------------------ the roofline
-
-
-def peaks(device_kind: str, override: str = "") -> tuple[float, float] | None:
-  """(bytes/s, FLOP/s) of the device: --peak 'TBps,TFLOPs' or the datasheet table (None: not
-  known, e.g. a CPU)."""
-  if override:
-    bw, fl = (float(x) for x in override.split(","))
-    return bw * 1e12, fl * 1e12
-  for prefix, (bw, fl) in sorted(PEAKS.items(), key=lambda kv: -len(kv[0])):
-    if device_kind.startswith(prefix):
-      return bw * 1e12, fl * 1e12
-  return None
-
-
-def _leaves(tree, skip: tuple[str, ...] = ()):
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    names = [getattr(k, "key", str(k)) for k in path]
-    if not any(s in names for s in skip):
-      yield names, leaf
-
-
-def step_cost(model, params, batch: int, positions: float) -> dict:
-  """What one decoding step of `batch` rows at `positions` cached entries must move and compute:
-  the weights it reads (an untied embedding table is gathered, B rows; T5's encoder is not run),
-  the filled KV cache, and 2 FLOPs per weight per row (matmuls) plus attention's 4 per cached
-  entry per head dim."""
-  cfg = model.config
-  skip = ("encoder",)
-  weights = matmul = 0
-  for names, leaf in _leaves(params, skip):
-    size, nbytes = int(np.prod(leaf.shape)), int(leaf.size * leaf.dtype.itemsize)
-    embedding = "embedding" in names
-    tied = getattr(cfg, "tie_word_embeddings", False)
-    if embedding and not tied:
-      nbytes, size = nbytes * batch // max(leaf.shape[0], 1), 0
-    weights += nbytes
-    if leaf.ndim >= 2:
-      matmul += size
-  layers = getattr(cfg, "num_decoder_layers", None) or cfg.num_layers
-  kv_heads = getattr(cfg, "num_kv_heads", None) or cfg.num_heads
-  head_dim = getattr(cfg, "head_dim", None) or cfg.d_kv
-  itemsize = jnp.dtype(cfg.dtype).itemsize
-  cache = 2 * layers * kv_heads * head_dim * positions * batch * itemsize
-  attention = 4 * layers * cfg.num_heads * head_dim * positions * batch
-  return dict(weight_bytes=weights, cache_bytes=cache, flops=2 * matmul * batch + attention)
-
-
-def floor_s(cost: dict, peak: tuple[float, float] | None) -> float | None:
-  if peak is None:
-    return None
-  return max((cost["weight_bytes"] + cost["cache_bytes"]) / peak[0], cost["flops"] / peak[1])
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -253,12 +114,13 @@ def peak_memory() -> int | None:
 def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
             peak: tuple[float, float] | None, say) -> dict:
   """One case: the shape's pair at `batch` rows, target alone and speculative at every gamma."""
-  t_cfg, d_cfg = (scaled(c, scale) for c in SHAPES[name])
+  t_cfg, d_cfg = (shapes.scaled(c, scale) for c in SHAPES[name])
   d_cfg = dict(d_cfg, vocab_size=t_cfg["vocab_size"])
   start = time.perf_counter()
-  target, t_params = build(t_cfg, workdir / name / "target", run.seed, run.precision, run.layers)
-  draft, d_params = build(d_cfg, workdir / name / "draft", run.seed + 1, run.precision,
-                          run.layers)
+  target, t_params = shapes.build(t_cfg, workdir / name / "target", run.seed, run.precision,
+                                  run.layers)
+  draft, d_params = shapes.build(d_cfg, workdir / name / "draft", run.seed + 1, run.precision,
+                                 run.layers)
   init_s = time.perf_counter() - start
   say(f"{name} b{batch}: random weights in {init_s:.1f} s")
   prompt = prompts(target, batch, run.prompt_len, run.seed)
@@ -284,8 +146,8 @@ def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
   t1, d1 = per_step("t1"), per_step("d1")
   ar_step = (timed[("ar", run.new_tokens)][2] - timed[("ar", 1)][2]) / (run.new_tokens - 1)
   positions = run.prompt_len + run.new_tokens / 2
-  cost = step_cost(target, t_params, batch, positions)
-  floor = floor_s(cost, peak)
+  cost = roofline.step_cost(target, t_params, batch, positions)
+  floor = roofline.floor_s(cost, peak)
   record = dict(
       case=case_key(name, batch, scale, run), shape=name, batch=batch, scale=scale,
       precision=target.config.precision,
@@ -347,16 +209,17 @@ def case_key(name: str, batch: int, scale: int, run: Run) -> str:
           f"{jax.devices()[0].device_kind}")
 
 
-def order(shapes: list[str], batches: list[int]) -> list[tuple[str, int]]:
+def order(names: list[str], batches: list[int]) -> list[tuple[str, int]]:
   """Cases by priority: every shape at the smallest batch first (the latency case), then the
   next batch size, so that a short run yields the most important rows first."""
-  return [(s, b) for b in sorted(batches) for s in shapes]
+  return [(s, b) for b in sorted(batches) for s in names]
 
 
 # ------------------------------------------------------------------------------ output
 
 
-COLUMNS = ("shape", "batch", "precision", "layers", "target_params", "draft_params", "ar_ms_per_step", "floor_ms",
+COLUMNS = ("shape", "batch", "precision", "layers", "target_params", "draft_params",
+           "ar_ms_per_step", "floor_ms",
            "roofline_pct", "gamma", "tau", "cost_ratio", "verify_cost_ratio", "ms_per_token",
            "speedup", "predicted_speedup", "ar_compile_s", "compile_s", "warm_s",
            "peak_memory_gb")
@@ -436,9 +299,9 @@ def parse_args(argv):
 
 
 def check(args) -> tuple[list[str], list[int], tuple[int, ...]]:
-  shapes = [s for s in args.shapes.split(",") if s.strip()]
-  unknown = [s for s in shapes if s not in SHAPES]
-  if unknown or not shapes:
+  names = [s for s in args.shapes.split(",") if s.strip()]
+  unknown = [s for s in names if s not in SHAPES]
+  if unknown or not names:
     raise ValueError(f"--shapes {args.shapes!r}: choose from {', '.join(SHAPES)}")
   batches = flags.parse_gammas(args.batches, "--batches")
   gammas = flags.parse_gammas(args.gammas, "--gammas")
@@ -454,14 +317,14 @@ def check(args) -> tuple[list[str], list[int], tuple[int, ...]]:
       assert bw > 0 and fl > 0
     except (ValueError, AssertionError):
       raise ValueError(f"--peak {args.peak!r}: give 'TBps,TFLOPs', e.g. 3.35,989") from None
-  return shapes, batches, tuple(gammas)
+  return names, batches, tuple(gammas)
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
 
   def go():
-    shapes, batches, gammas = check(args)
+    names, batches, gammas = check(args)
     out = flags.output_file(args.output_json, "--output_json")
     md = flags.output_file(args.output_md, "--output_md")
     records = load_done(out)
@@ -469,18 +332,20 @@ def main(argv=None) -> int:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-bench-")
     cli.setup()
     env = environment()
-    peak = peaks(env["device"], args.peak)
+    peak = roofline.peaks(env["device"], args.peak)
     run = Run(prompt_len=args.prompt_len, new_tokens=args.new_tokens, gammas=gammas,
               alpha=args.alpha, repeats=args.repeats, probe_steps=args.probe_steps,
               profile=args.profile, precision=args.precision, layers=args.layers)
     t0 = time.perf_counter()
     say = lambda msg: print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", file=sys.stderr,
                             flush=True)
-    say(f"{env['device']} ({env['platform']}), jax {env['jax']}, commit {env['commit']}; peaks "
-        f"{'unknown (no roofline)' if peak is None else f'{peak[0]/1e12:g} TB/s, {peak[1]/1e12:g} TFLOP/s'}")
+    peak_text = ("unknown (no roofline)" if peak is None else
+                 f"{peak[0] / 1e12:g} TB/s, {peak[1] / 1e12:g} TFLOP/s")
+    say(f"{env['device']} ({env['platform']}), jax {env['jax']}, commit {env['commit']}; "
+        f"peaks {peak_text}")
     done = {r["case"] for r in records}
     with tempfile.TemporaryDirectory(prefix="specjax-bench-models-") as tmp:
-      for name, batch in order(shapes, batches):
+      for name, batch in order(names, batches):
         if case_key(name, batch, args.scale, run) in done:
           say(f"{name} b{batch}: in {out} already, skipped")
           continue

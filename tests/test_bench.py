@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from eval import bench, trace
+from eval import bench, roofline, shapes, trace
 from specjax.acceptance import base
 from specjax.api import results
 from specjax.decoding import speculative
@@ -25,10 +24,10 @@ SMALL = ["--scale", "16", "--batches", "1", "--gammas", "2", "--new_tokens", "8"
 
 
 def _pair(name: str, tmp_path, scale: int = 16):
-  t_cfg, d_cfg = (bench.scaled(c, scale) for c in bench.SHAPES[name])
+  t_cfg, d_cfg = (shapes.scaled(c, scale) for c in shapes.SHAPES[name])
   d_cfg = dict(d_cfg, vocab_size=t_cfg["vocab_size"])
-  return (bench.build(t_cfg, tmp_path / "t", 0, dtype="float32"),
-          bench.build(d_cfg, tmp_path / "d", 1, dtype="float32"))
+  return (shapes.build(t_cfg, tmp_path / "t", 0, dtype="float32"),
+          shapes.build(d_cfg, tmp_path / "d", 1, dtype="float32"))
 
 
 def test_a_small_run_writes_its_records_and_a_second_run_resumes(tmp_path, capsys):
@@ -75,11 +74,11 @@ def test_a_file_of_other_results_is_refused(tmp_path, capsys):
   assert other.read_text() == '[{"gamma": 3}]'
 
 
-@pytest.mark.parametrize("name", list(bench.SHAPES))
+@pytest.mark.parametrize("name", list(shapes.SHAPES))
 def test_every_shape_scales_to_a_consistent_model(name, tmp_path):
-  for cfg in bench.SHAPES[name]:
+  for cfg in shapes.SHAPES[name]:
     for n in (1, 2, 16, 64):
-      small = bench.scaled(cfg, n)
+      small = shapes.scaled(cfg, n)
       if cfg["model_type"] == "t5":
         assert small["d_kv"] * small["num_heads"] >= 8
       else:
@@ -93,33 +92,33 @@ def test_step_cost_counts_what_a_decoding_step_reads(tmp_path):
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
   table = params["token_embed"]["embedding"]
   cfg = target.config
-  cost = bench.step_cost(target, params, batch=2, positions=10)
+  cost = roofline.step_cost(target, params, batch=2, positions=10)
   # An untied table is gathered (2 rows), not read whole; the head is read whole.
   assert cost["weight_bytes"] == nbytes(params) - table.nbytes + 2 * table.nbytes // table.shape[0]
   assert cost["cache_bytes"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 10 * 2 * 4
-  tied = bench.step_cost(draft, d_params, batch=1, positions=10)
+  tied = roofline.step_cost(draft, d_params, batch=1, positions=10)
   assert tied["weight_bytes"] == nbytes(d_params)          # the table is the head: read whole
-  assert bench.floor_s(cost, (1e12, 1e30)) == pytest.approx(
+  assert roofline.floor_s(cost, (1e12, 1e30)) == pytest.approx(
       (cost["weight_bytes"] + cost["cache_bytes"]) / 1e12)
-  assert bench.floor_s(cost, (1e30, 1e9)) == pytest.approx(cost["flops"] / 1e9)
-  assert bench.floor_s(cost, None) is None
+  assert roofline.floor_s(cost, (1e30, 1e9)) == pytest.approx(cost["flops"] / 1e9)
+  assert roofline.floor_s(cost, None) is None
 
 
 def test_t5_step_cost_leaves_the_encoder_out(tmp_path):
   (target, params), _ = _pair("t5-xl", tmp_path)
-  cost = bench.step_cost(target, params, batch=1, positions=4)
+  cost = roofline.step_cost(target, params, batch=1, positions=4)
   encoder = sum(x.nbytes for x in jax.tree.leaves(params["encoder"]))
   whole = sum(x.nbytes for x in jax.tree.leaves(params))
   assert cost["weight_bytes"] < whole - encoder + 1 and encoder > 0
 
 
 def test_peaks_come_from_the_device_kind_or_the_flag():
-  assert bench.peaks("NVIDIA H100 80GB HBM3") == (3.35e12, 989e12)
-  assert bench.peaks("NVIDIA H200") == (4.8e12, 989e12)
-  assert bench.peaks("TPU v5 lite") == (0.819e12, 197e12)
-  assert bench.peaks("TPU v5p")[0] == 2.765e12
-  assert bench.peaks("cpu") is None
-  assert bench.peaks("cpu", "1.5,20") == (1.5e12, 20e12)
+  assert roofline.peaks("NVIDIA H100 80GB HBM3") == (3.35e12, 989e12)
+  assert roofline.peaks("NVIDIA H200") == (4.8e12, 989e12)
+  assert roofline.peaks("TPU v5 lite") == (0.819e12, 197e12)
+  assert roofline.peaks("TPU v5p")[0] == 2.765e12
+  assert roofline.peaks("cpu") is None
+  assert roofline.peaks("cpu", "1.5,20") == (1.5e12, 20e12)
 
 
 class _Broken(bench.SetAcceptance):

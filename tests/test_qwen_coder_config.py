@@ -37,3 +37,15 @@ def test_chat_flag_formats_prompts():
   plain, chat = _Method(builders.DecodeSettings()), _Method(builders.DecodeSettings(chat=True))
   assert runner.formatted(plain, ["x"]) == ["x"]
   assert runner.formatted(chat, ["x"]) == ["<user>x</user><assistant>"]
+
+
+def test_chat_configs_install_what_chat_templates_need():
+  """decode.chat=true renders the tokenizer's chat template with jinja2, which `pip install -e .`
+  must bring (the test environment has it through torch, so only the declared dependency shows)."""
+  import tomllib
+  from pathlib import Path
+  from specjax.app.config import load_config
+  root = Path(__file__).resolve().parent.parent
+  deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+  chat = [c for c in ("qwen_coder_edit.py", "qwen2_5_7b.py") if load_config(c, []).decode.chat]
+  assert chat and any(d.replace(" ", "").startswith("jinja2") for d in deps), deps

@@ -80,9 +80,9 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   """Speculative decoding of up to max_new_tokens per row.
 
   draft: a draft model (draft_params its params), or ngram.NGram(...) for prompt lookup
-  (draft_params None). rule: a Rule or a registered name. key: one PRNG key (row b uses fold_in(key, b)) or per-row
-  keys [B]. draft_prompt: the prompt in the draft's tokenization (default: prompt). max_len: the
-  cache size of both models (default: just enough). debug=True runs the same block function from
+  (draft_params None). rule: a Rule or a registered name. key: one PRNG key (row b uses
+  fold_in(key, b)) or per-row keys [B]. draft_prompt: the prompt in the draft's tokenization
+  (default: prompt). max_len: the cache size of both models (default: just enough). debug=True runs the same block function from
   a Python loop, one jitted call per block (wrap the call in `jax.disable_jit()` to run eagerly).
   mesh: a ('data', 'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one
   device. on_chunk: streaming: the loop runs chunks of `chunk_blocks` blocks, one compiled call
@@ -118,11 +118,11 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
     raise ValueError(f"gamma (draft tokens per block) must be an integer >= 1, got {gamma!r}")
   gamma = int(gamma)
   ar.check_lengths(max_new_tokens, prompt)
-  if is_lookup(draft):
-    return _validate_lookup(target, draft, prompt, rule=rule, gamma=gamma,
-                            max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id,
-                            max_len=max_len)
-  if rule.needs_same_vocab and draft.vocab_size != target.vocab_size:
+  if is_lookup(draft):                     # no draft model: no vocabulary, prompt or cache
+    refusal = lookup_refusal(rule)
+    if refusal:
+      raise ValueError(refusal)
+  elif rule.needs_same_vocab and draft.vocab_size != target.vocab_size:
     raise ValueError(
         f"draft vocab size {draft.vocab_size} differs from target vocab size {target.vocab_size} "
         f"and rule {rule.rule_name or type(rule).__name__!r} needs a shared vocabulary: use a "
@@ -131,26 +131,13 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
   if dprompt.tokens.shape[0] != prompt.tokens.shape[0]:
     raise ValueError(f"draft_prompt has {dprompt.tokens.shape[0]} rows, prompt has "
                      f"{prompt.tokens.shape[0]}: they must describe the same batch")
-  need = max(reserve(rule, gamma).need(prompting.prefix_len(target, prompt), max_new_tokens),
-             reserve(rule, gamma, draft=True).need(prompting.prefix_len(draft, dprompt),
-                                                   max_new_tokens))
+  need = reserve(rule, gamma).need(prompting.prefix_len(target, prompt), max_new_tokens)
+  if not is_lookup(draft):
+    need = max(need, reserve(rule, gamma, draft=True).need(prompting.prefix_len(draft, dprompt),
+                                                           max_new_tokens))
   max_len = need if max_len is None else int(max_len)
   kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
   return Setup(target=target, draft=draft, rule=rule, gamma=gamma, max_new=max_new_tokens,
-               warp=warp, eos=stop_ids(eos_id), max_len=max_len)
-
-
-def _validate_lookup(target, drafter, prompt, *, rule, gamma, max_new_tokens, warp, eos_id,
-                     max_len) -> Setup:
-  """Prompt lookup proposes the target's own ids with a one-hot q: refuse the rules that need a
-  draft model's vocabulary or its distribution."""
-  refusal = lookup_refusal(rule)
-  if refusal:
-    raise ValueError(refusal)
-  need = reserve(rule, gamma).need(prompting.prefix_len(target, prompt), max_new_tokens)
-  max_len = need if max_len is None else int(max_len)
-  kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
-  return Setup(target=target, draft=drafter, rule=rule, gamma=gamma, max_new=max_new_tokens,
                warp=warp, eos=stop_ids(eos_id), max_len=max_len)
 
 

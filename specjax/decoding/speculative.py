@@ -82,12 +82,13 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   draft: a draft model (draft_params its params), or ngram.NGram(...) for prompt lookup
   (draft_params None). rule: a Rule or a registered name. key: one PRNG key (row b uses
   fold_in(key, b)) or per-row keys [B]. draft_prompt: the prompt in the draft's tokenization
-  (default: prompt). max_len: the cache size of both models (default: just enough). debug=True runs the same block function from
-  a Python loop, one jitted call per block (wrap the call in `jax.disable_jit()` to run eagerly).
-  mesh: a ('data', 'model') Mesh to decode on (decoding/sharded.py); the tokens are those of one
-  device. on_chunk: streaming: the loop runs chunks of `chunk_blocks` blocks, one compiled call
-  each with the state donated, and calls on_chunk(tokens [B, N], lengths [B]) after the prefill
-  and after each chunk (state.drive: it may end rows, e.g. at a stop string); one device only.
+  (default: prompt). max_len: the cache size of both models (default: just enough). debug=True
+  runs the same block function from a Python loop, one jitted call per block (wrap the call in
+  `jax.disable_jit()` to run eagerly). mesh: a ('data', 'model') Mesh to decode on
+  (decoding/sharded.py); the tokens are those of one device. on_chunk: streaming: the loop runs
+  chunks of `chunk_blocks` blocks, one compiled call each with the state donated, and calls
+  on_chunk(tokens [B, N], lengths [B]) after the prefill and after each chunk (state.drive: it may
+  end rows, e.g. at a stop string); one device only.
   Raises NonFiniteLogitsError if either model's logits held NaN / inf.
   """
   setup = _validate(target, draft, prompt, draft_prompt, rule=rule, gamma=gamma,

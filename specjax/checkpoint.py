@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -212,7 +214,8 @@ class Checkpointer:
     failed = []
     for candidate in sorted(self.manager.all_steps(), reverse=True):
       try:
-        restored = self._restore_step(candidate, target)
+        with _quiet_unraisable():
+          restored = self._restore_step(candidate, target)
       except Exception as err:          # whatever orbax / tensorstore raise for a damaged file
         failed.append((candidate, _first_line(err)))
         continue
@@ -250,6 +253,21 @@ class Checkpointer:
 
 
 DAMAGED_DIR = "checkpoints.damaged"
+
+
+@contextlib.contextmanager
+def _quiet_unraisable() -> Iterator[None]:
+  """Within: the reads that orbax leaves behind when one read of a damaged checkpoint fails
+  (coroutines that raise again when collected) are collected here and logged at debug level,
+  instead of Python printing a traceback for each ("Exception ignored in"); the warning that
+  names the damaged checkpoint says what happened."""
+  hook = sys.unraisablehook
+  sys.unraisablehook = lambda u: log.debug("reading a damaged checkpoint: %s", u.exc_value)
+  try:
+    yield
+  finally:
+    gc.collect()
+    sys.unraisablehook = hook
 
 
 class DamagedCheckpointError(ValueError):

@@ -17,6 +17,7 @@ With one prompt per batch (decode.batch_size 1) the text is printed as it is gen
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -31,7 +32,7 @@ class PromptError(ValueError):
 
 
 def read_prompts(args, cfg) -> list[str]:
-  """--prompt texts, then --input_file lines (blank lines skipped), else the config's prompts."""
+  """--prompt texts, then --input_file's prompts (read_prompt_file), else the config's prompts."""
   prompts = list(args.prompt)
   if any(not p.strip() for p in prompts):
     raise PromptError("--prompt is empty: give the text to continue")
@@ -44,12 +45,13 @@ def read_prompts(args, cfg) -> list[str]:
 
 
 def read_prompt_file(name: str) -> list[str]:
-  """The non-blank lines of a UTF-8 file, each one prompt."""
+  """The prompts of a UTF-8 file (a byte-order mark is dropped): one per non-blank line, or in a
+  `.jsonl` file the "prompt" field of each line's JSON object (so a prompt may span lines)."""
   path = Path(name).expanduser()
   if path.is_dir():
     raise PromptError(f"--input_file {path} is a directory: give a file with one prompt per line")
   try:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
   except FileNotFoundError:
     raise PromptError(f"--input_file {path} does not exist") from None
   except UnicodeDecodeError as err:
@@ -57,10 +59,50 @@ def read_prompt_file(name: str) -> list[str]:
                       f"{err.object[err.start]:#04x}): save it as UTF-8") from None
   except OSError as err:
     raise PromptError(f"--input_file {path} cannot be read ({err.strerror})") from None
-  prompts = [line for line in text.splitlines() if line.strip()]
+  if path.suffix.lower() == ".jsonl":
+    prompts = [_jsonl_prompt(path, i, line) for i, line in enumerate(text.splitlines(), 1)
+               if line.strip()]
+  else:
+    _refuse_json(path, text)
+    prompts = [line for line in text.splitlines() if line.strip()]
   if not prompts:
     raise PromptError(f"--input_file {path} holds no prompt (every line is blank)")
   return prompts
+
+
+JSONL_FORM = 'one JSON object per line with the prompt under "prompt", e.g. {"prompt": "def f():"}'
+
+
+def _jsonl_prompt(path: Path, number: int, line: str) -> str:
+  """Line `number` of a .jsonl prompt file -> its "prompt" text, or a PromptError naming it."""
+  where = f"--input_file {path} line {number}"
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as err:
+    raise PromptError(f"{where} is not JSON ({err.msg}): a .jsonl file holds {JSONL_FORM}") \
+        from None
+  if not isinstance(record, dict) or "prompt" not in record:
+    fields = f"fields {', '.join(map(repr, record))}" if isinstance(record, dict) else \
+        f"a JSON {type(record).__name__}"
+    raise PromptError(f"{where} has no \"prompt\" ({fields}): a .jsonl file holds {JSONL_FORM}")
+  prompt = record["prompt"]
+  if not isinstance(prompt, str) or not prompt.strip():
+    raise PromptError(f"{where}: \"prompt\" is {prompt!r}: give the text to continue")
+  return prompt
+
+
+def _refuse_json(path: Path, text: str) -> None:
+  """A .json file that is JSON would be decoded line by line as text (brackets, quotes and
+  all): refused, naming the forms that work."""
+  if path.suffix.lower() != ".json":
+    return
+  try:
+    json.loads(text)
+  except json.JSONDecodeError:
+    return
+  raise PromptError(f"--input_file {path} is a JSON document, and its lines would be decoded as "
+                    f"text: give a text file with one prompt per line, or a .jsonl file with "
+                    f"{JSONL_FORM}")
 
 
 def save_report(path: Path, report: dict) -> None:
@@ -80,7 +122,8 @@ def main(argv=None) -> int:
   p.add_argument("--config", default=DEFAULT_CONFIG,
                  help="a shipped config name or a config file (default: %(default)s)")
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-  p.add_argument("--input_file", help="a UTF-8 file with one prompt per line (blank lines skipped)")
+  p.add_argument("--input_file", help="a UTF-8 file with one prompt per line (blank lines "
+                 "skipped), or a .jsonl file with one {\"prompt\": TEXT} object per line")
   p.add_argument("--output_json", help="write texts, token ids, statistics and settings here")
   p.add_argument("--compare", action="store_true",
                  help="also decode the prompts with the target alone and print both ms/token "

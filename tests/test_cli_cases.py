@@ -198,6 +198,33 @@ CASES = [
     case("pretrain-with-a-verifier-config", "train.pretrain",
          ["--config", "sprinter_tiny.py", "--workdir", "{tmp}/w"], 2,
          "sprinter_tiny.py is a train.verifier config (no train section", ["{tmp}/w"]),
+    # ------------------------------------------------------------- probe round 3 (issue #26)
+    case("output-over-a-file-of-the-specjax-cache", "specjax.decode",
+         ["--config", "tiny.py", MISSING, "--prompt", "x", "--output_json", "{cache}/kept.json"],
+         2, "--output_json {cache}/kept.json is in specjax's cache ({cache}",
+         ["{cache}/kept.json"]),
+    case("output-under-a-file", "specjax.decode",
+         ["--config", "tiny.py", MISSING, "--prompt", "x", "--output_json", "{cfg}/out.json"], 2,
+         "{cfg} is a file, not a directory: choose another path", ["{cfg}"]),
+    case("input-jsonl-without-prompt", "specjax.decode",
+         ["--config", "tiny.py", MISSING, "--input_file", "{tmp}/wrong.jsonl"], 2,
+         'wrong.jsonl line 1 has no "prompt" (fields \'text\'): a .jsonl file holds one JSON '
+         'object per line'),
+    case("input-json-document", "specjax.decode",
+         ["--config", "tiny.py", MISSING, "--input_file", "{tmp}/prompts.json"], 2,
+         "is a JSON document, and its lines would be decoded as text"),
+    case("slrs-max-depth-zero", "specjax.decode",
+         ["--config", "tiny.py", MISSING, "--config.rule.name=slrs", "--config.rule.max_depth=0",
+          "--prompt", "x"], 2, "--config.rule: max_depth=0: SLRS drafts at least one token"),
+    case("pretrain-ignores-train-learning-rate", "train.pretrain",
+         [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.train.learning_rate=1e-3"], 2,
+         "--config.train.learning_rate has no effect on train.pretrain (this config's pretrain "
+         "section sets it, and pretraining reads that): set --config.pretrain.learning_rate",
+         ["{tmp}/w"]),
+    case("distill-ignores-pretrain-steps", "train.distill",
+         [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.pretrain.steps=5"], 2,
+         "--config.pretrain.steps has no effect on train.distill (the pretrain section is "
+         "train.pretrain's): set --config.train.steps", ["{tmp}/w"]),
 ]
 
 
@@ -243,6 +270,8 @@ def make_files(tmp: Path, stack: contextlib.ExitStack) -> dict[str, str]:
   (tmp / "verifier").mkdir()
   (tmp / "verifier" / "verifier.json").write_text('{"verifier": {"hidden_size": 8,')
   (tmp / "cwd").mkdir()
+  (tmp / "prompts.json").write_text('["def f():", "import os"]\n')
+  (tmp / "wrong.jsonl").write_text('{"text": "def f():"}\n')
   os.mkfifo(tmp / "fifo")
   reader = os.open(tmp / "fifo", os.O_RDONLY | os.O_NONBLOCK)   # a writer's open then returns
   stack.callback(os.close, reader)
@@ -309,6 +338,8 @@ def paths(request, tmp_path, monkeypatch, cache):
       values["busy"] = str(tmp_path / "busy")
       (tmp_path / "busy").mkdir()
       stack.enter_context(checkpoint.lock_workdir(tmp_path / "busy"))
+    values["cache"] = str(cache)
+    (cache / "kept.json").write_text("{}")
     monkeypatch.chdir(values["cwd"])
     yield values
 

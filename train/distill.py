@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None, pretrain: bool = False, doc: str = __doc
     cli.setup()
     cfg = config.load_config(args.config, overrides)
     training.check_sections(cfg, args.config, pretrain)
+    training.check_overrides_apply(cfg, overrides, pretrain)
     try:
       training.run(cfg, args.workdir, pretrain=pretrain,
                    inputs=config.input_paths(args.config, cfg))

@@ -372,6 +372,12 @@ class StringLevelSettings:
   """The `rule` section of methods slem / slrs."""
   max_depth: int = 3         # SLRS: most draft tokens before a target token is determined
 
+  def __post_init__(self):
+    if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) \
+        or self.max_depth < 1:
+      raise ValueError(f"max_depth={self.max_depth!r}: SLRS drafts at least one token before a "
+                       f"target token is determined: use an integer >= 1")
+
 
 @register("slem", "slrs")
 @dataclasses.dataclass(frozen=True)

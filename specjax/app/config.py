@@ -124,9 +124,27 @@ def input_paths(name: str, config) -> dict[str, str]:
   for section, values in sections:
     for field in INPUT_FIELDS:
       value = values.get(field)
-      if isinstance(value, str) and value and Path(value).expanduser().exists():
-        out[f"--config.{section}.{field}"] = str(Path(value).expanduser())
+      local = _local_input(value) if isinstance(value, str) and value else None
+      if local is not None:
+        out[f"--config.{section}.{field}"] = str(local)
   return out
+
+
+def _local_input(value: str) -> Path | None:
+  """The existing local path that a field's value names, found without fetching or building
+  anything: a path as it is; a hub id (ORG/NAME) already in the local Hugging Face cache, its
+  snapshot directory. Pair names (builtin:, pypi:) live in specjax's cache, which
+  outputs.check_not_input refuses as a whole."""
+  path = Path(value).expanduser()
+  if path.exists():
+    return path
+  if ":" in value or value.count("/") != 1 or value.startswith((".", "/", "~")):
+    return None
+  from specjax.models import hf_import
+  try:
+    return hf_import.resolve_checkpoint(value)
+  except Exception:         # not cached (or no huggingface_hub): nothing of it to overwrite
+    return None
 
 
 def apply_override(config: ml_collections.ConfigDict, item: str) -> None:

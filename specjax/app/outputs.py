@@ -42,6 +42,10 @@ def check_output_file(path: str | os.PathLike, flag: str) -> pathlib.Path:
       raise OutputPathError(f"{flag} {out} is not writable: choose another path")
     return out
   if not out.parent.is_dir():
+    blocker = next((p for p in out.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+      raise OutputPathError(f"{flag} {out}: {blocker} is a file, not a directory: choose "
+                            f"another path")
     raise OutputPathError(f"{flag} {out}: the directory {out.parent} does not exist; "
                           f"create it or choose another path")
   if (not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK))
@@ -88,6 +92,10 @@ def check_not_input(output: str | os.PathLike | None, inputs: Mapping[str, Any],
   same path is caught. A new file or a device (written in place) destroys nothing."""
   if not output or not os.path.exists(output) or writes_in_place(output):
     return
+  cache = _cache_root()
+  if os.path.isfile(output) and _inside(pathlib.Path(output), cache):
+    raise OutputPathError(f"{flag} {output} is in specjax's cache ({cache}, which holds the "
+                          f"models it builds, fetches and converts): choose another path")
   for name, path in inputs.items():
     if path and os.path.exists(path) and _overwrites(pathlib.Path(output), pathlib.Path(path)):
       raise OutputPathError(f"{flag} {output} would overwrite {name} {path}, an input of this "
@@ -95,12 +103,32 @@ def check_not_input(output: str | os.PathLike | None, inputs: Mapping[str, Any],
 
 
 def _overwrites(output: pathlib.Path, source: pathlib.Path) -> bool:
-  """Whether writing `output` replaces `source` or a checkpoint file of directory `source`."""
+  """Whether writing `output` replaces `source` or a checkpoint file of directory `source`:
+  the file itself, or a link to it in `source` (a Hugging Face cache snapshot links each file
+  to a blob elsewhere; the rename would replace the link)."""
   if os.path.samefile(output, source):
     return True
+  if not source.is_dir():
+    return False
   real = pathlib.Path(os.path.realpath(output))       # a symlink: the file it leads to
-  return (source.is_dir() and real.is_file() and os.path.samefile(real.parent, source)
-          and any(fnmatch.fnmatch(real.name, p) for p in CHECKPOINT_FILES))
+  as_named = pathlib.Path(os.path.abspath(output))
+  return any(path.is_file() and os.path.samefile(path.parent, source)
+             and any(fnmatch.fnmatch(path.name, p) for p in CHECKPOINT_FILES)
+             for path in (real, as_named))
+
+
+def _cache_root() -> pathlib.Path:
+  """specjax's cache directory ($SPECJAX_CACHE, else ~/.cache/specjax), not created here."""
+  return pathlib.Path(os.environ.get("SPECJAX_CACHE")
+                      or os.path.join(os.path.expanduser("~"), ".cache", "specjax"))
+
+
+def _inside(path: pathlib.Path, directory: pathlib.Path) -> bool:
+  """Whether `path` (links resolved) lies under `directory`."""
+  try:
+    return pathlib.Path(os.path.realpath(path)).is_relative_to(os.path.realpath(directory))
+  except OSError:
+    return False
 
 
 def writes_in_place(path: str | os.PathLike) -> bool:

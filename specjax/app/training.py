@@ -107,6 +107,29 @@ def check_learning_rate(config, pretrain: bool) -> None:
                       f"(e.g. 3e-4)")
 
 
+def check_overrides_apply(config, overrides, pretrain: bool) -> None:
+  """Refuse the user's own overrides that this job would ignore: train.pretrain reads the
+  `pretrain` section's value of a field where it has one (distill_tiny.py: steps, learning_rate),
+  so --config.train.learning_rate alone changed nothing there; train.distill reads the `train`
+  section, never pretrain.*. A field set in both sections (one list of flags for both jobs) is
+  not refused, nor are the config's own values."""
+  keys = {o.removeprefix("--").removeprefix("config.").partition("=")[0] for o in overrides}
+  own = [k for k in builders.section(config, "pretrain") if k != "model"]
+  if pretrain:
+    ignored, use = [f"train.{k}" for k in own], "pretrain"
+  else:
+    ignored = [k for k in sorted(keys) if k.startswith("pretrain.") and k != "pretrain.model"]
+    use = "train"
+  ignored = [k for k in ignored if k in keys and f"{use}.{k.partition('.')[2]}" not in keys]
+  if not ignored:
+    return
+  flags = ", ".join(f"--config.{k}" for k in ignored)
+  fix = ", ".join(f"--config.{use}.{k.partition('.')[2]}" for k in ignored)
+  job, why = ("train.pretrain", "this config's pretrain section sets it, and pretraining reads "
+              "that") if pretrain else ("train.distill", "the pretrain section is train.pretrain's")
+  raise ConfigError(f"{flags} has no effect on {job} ({why}): set {fix}")
+
+
 def pretrain_role(config) -> str:
   """The model section train.pretrain trains (`pretrain.model`): target or draft."""
   role = builders.section(config, "pretrain").get("model", "target")

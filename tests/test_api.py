@@ -263,3 +263,35 @@ def test_prompt_lookup_drafts_from_python(models):
     specjax.SpeculativeDecoder(models["target"], "ngram", rule="fuzzy")
   with pytest.raises(specjax.UsageError, match="method with a draft model"):
     specjax.SpeculativeDecoder(models["target"], "ngram", rule="slem")
+
+
+# ------------------------------------------------------------------------ probe round 3 (#26)
+
+def test_a_slrs_argument_is_not_taken_for_a_misspelt_decode_argument(models):
+  """generate() passes the rule's arguments on: slrs's max_depth was refused as a misspelling
+  of max_len ("did you mean 'max_len'?"), though docs/api.md lists it."""
+  out = specjax.generate(models["target"], ["def f(x):"], draft=models["other"], rule="slrs",
+                         max_depth=2, temperature=0, max_new_tokens=4)
+  assert len(out.tokens[0]) <= 4
+  with pytest.raises(specjax.UsageError, match=r"max_depth=0: use an integer >= 1"):
+    specjax.generate(models["target"], ["x"], draft=models["other"], rule="slrs", max_depth=0)
+  with pytest.raises(specjax.UsageError, match=r"did you mean 'max_len'"):
+    specjax.generate(models["target"], ["x"], max_lne=8)
+
+
+def test_a_stream_that_cannot_take_i_and_text_is_refused_before_decoding(models):
+  """A one-argument callback failed with a bare TypeError after the first block had run."""
+  with pytest.raises(specjax.UsageError,
+                     match=r"cannot be called as stream\(i, text\).*give it those two arguments"):
+    specjax.generate(models["target"], ["x"], max_new_tokens=4, stream=lambda text: None)
+  seen = []
+  specjax.generate(models["target"], ["x"], max_new_tokens=4, temperature=0,
+                   stream=lambda *args: seen.append(args))
+  assert seen and all(i == 0 for i, _ in seen)
+
+
+def test_a_rule_error_names_the_rule_once(models):
+  with pytest.raises(specjax.UsageError) as err:
+    specjax.generate(models["target"], ["x"], draft=models["other"], rule="union",
+                     min_overlap=2)
+  assert str(err.value).count("rule 'union'") == 1, err.value

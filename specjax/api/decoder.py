@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import logging
 from typing import Callable, Iterator, Sequence
 
@@ -98,8 +99,7 @@ class SpeculativeDecoder:
     stream(i, text): called with prompt i's new text as it is committed (methods with a loop of
     their own: once, when the row is done). truncate: "" refuses a prompt the cache cannot
     hold, "left" keeps its last tokens."""
-    if stream is not None and not callable(stream):
-      raise UsageError(f"stream={stream!r}: pass a function stream(i, text), or None")
+    _check_stream(stream)
     rows = _check_prompts(prompts, self.method, chat)
     method = self.method.with_settings(**_settings_changes(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -120,7 +120,7 @@ def generate(target: LoadedModel, prompts: Prompts, *,
   (the decode arguments of SpeculativeDecoder.generate; every other name is a rule argument).
   Build a SpeculativeDecoder yourself to decode several times with one set of models."""
   decode_args = {k: kwargs.pop(k) for k in list(kwargs) if k in _DECODE_ARGS}
-  for name in kwargs:
+  for name in set(kwargs) - _rule_arg_names(rule):
     near = difflib.get_close_matches(name, _DECODE_ARGS + _DECODER_ARGS, n=1)
     if near:
       raise UsageError(f"generate() has no argument {name!r}: did you mean {near[0]!r}? (other "
@@ -128,6 +128,40 @@ def generate(target: LoadedModel, prompts: Prompts, *,
   decoder = SpeculativeDecoder(target, draft, rule=rule, gamma=gamma, mesh=mesh,
                                max_len=max_len, **kwargs)
   return decoder.generate(prompts, **decode_args)
+
+
+def _rule_arg_names(rule) -> set[str]:
+  """The arguments the rule named `rule` takes (never mistaken for a misspelt decode argument:
+  slrs's max_depth is not max_len); empty for a rule object or an unknown name."""
+  if not isinstance(rule, str):
+    return set()
+  if rule in ("slem", "slrs"):
+    return {"max_depth", "lookbehind"}
+  if rule == "sprinter":
+    return {"verifier", "threshold", "gamma_max"}
+  try:
+    return set(rules.hyperparameters(rules.rule_class(rule)))
+  except UsageError:
+    return set()
+
+
+def _check_stream(stream) -> None:
+  """A stream callback is None or callable as stream(i, text); else a UsageError now, not a
+  TypeError after the first block has compiled and run."""
+  if stream is None:
+    return
+  if not callable(stream):
+    raise UsageError(f"stream={stream!r}: pass a function stream(i, text), or None")
+  try:
+    signature = inspect.signature(stream)
+  except (TypeError, ValueError):        # a builtin without a signature: called as it is
+    return
+  try:
+    signature.bind(0, "")
+  except TypeError as err:
+    raise UsageError(f"stream={getattr(stream, '__qualname__', stream)!r} cannot be called as "
+                     f"stream(i, text), with the prompt's index and its new text ({err}): give "
+                     f"it those two arguments") from None
 
 
 _DECODE_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "batch_size", "chat",

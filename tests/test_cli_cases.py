@@ -48,6 +48,7 @@ TRAIN = ["--config", "distill_tiny.py", "--config.train.progress=false",
          "--config.train.eval_every=0", "--config.train.batch_size=4",
          "--config.train.async_checkpoint=false"]
 PRETRAIN_DRAFT = [*TRAIN, "--config.pretrain.model=draft", "--config.pretrain.steps=1"]
+HUMANEVAL = ["--config", "tiny.py", MISSING, "--problems", "{problems}"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +226,23 @@ CASES = [
          [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.pretrain.steps=5"], 2,
          "--config.pretrain.steps has no effect on train.distill (the pretrain section is "
          "train.pretrain's): set --config.train.steps", ["{tmp}/w"]),
+    case("humaneval-limit-negative", "eval.humaneval", [*HUMANEVAL, "--limit", "-1"], 2,
+         "--limit must be at least 0 (0: all problems), got -1"),
+    case("humaneval-chunk-tokens-negative", "eval.humaneval",
+         [*HUMANEVAL, "--chunk_tokens", "-1"], 2,
+         "--chunk_tokens must be at least 0 (0: all --max_new_tokens at once), got -1"),
+    case("humaneval-timeout-zero", "eval.humaneval", [*HUMANEVAL, "--timeout_s", "0"], 2,
+         "--timeout_s must be a number of seconds above 0, got 0.0"),
+    case("humaneval-memory-zero", "eval.humaneval", [*HUMANEVAL, "--memory_mb", "0"], 2,
+         "--memory_mb must be at least 16 (below that the Python that runs a test cannot start"),
+    case("humaneval-problems-missing", "eval.humaneval",
+         ["--config", "tiny.py", MISSING, "--problems", "{tmp}/none.jsonl"], 2,
+         "--problems {tmp}/none.jsonl does not exist: give a JSON-lines problems file"),
+    case("humaneval-problems-directory", "eval.humaneval",
+         ["--config", "tiny.py", MISSING, "--problems", "{init}"], 2,
+         "--problems {init} is a directory: give a JSON-lines problems file", ["{init}"]),
+    case("startup-t5-benchmark-is-a-file", "eval.startup", ["--t5_benchmark", "{cfg}"], 2,
+         "--t5_benchmark {cfg} is a file, not a directory: choose another path", ["{cfg}"]),
 ]
 
 

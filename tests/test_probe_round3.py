@@ -106,3 +106,15 @@ def test_a_wheels_path_that_is_no_directory_says_so(tmp_path):
       fetch.check_wheels(parts, path)
   with pytest.raises(fetch.FetchError, match="lacks"):
     fetch.check_wheels(parts, tmp_path)
+
+
+def test_a_cache_overflow_names_max_len_not_the_prompt():
+  """tiny_t5.py with --config.decode.max_len=4 was told to shorten the prompt or truncate it,
+  though a T5 decoder's cache holds no prompt (and truncate=left was already set)."""
+  from specjax.app import cli
+  from specjax.models import kv_cache
+  err = kv_cache.CacheOverflowError(13, 4, "prompt + max_new_tokens + gamma (4)")
+  text = cli.advice(err)
+  assert text.endswith("holds 4: raise --config.decode.max_len to at least 13 (0: sized for each "
+                       "batch), or lower --config.decode.max_new_tokens or --config.decode.gamma")
+  assert "truncate" not in text

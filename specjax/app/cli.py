@@ -85,10 +85,12 @@ def setup() -> None:
 def advice(err: Exception) -> str:
   """The error's message, with the flag that mends it where the error's data tells which."""
   if isinstance(err, kv_cache.CacheOverflowError):
+    # Prompts too long for a decoder-only cache are refused earlier (api.prompt_fit, naming
+    # --config.decode.truncate); what gets here is the generated part (a T5 decoder's cache holds
+    # its start token, the new tokens and a block), which no truncation of the prompt shortens.
     return (f"{err.what} needs {err.needed} cache positions but the cache holds {err.capacity}: "
-            f"shorten the prompt (or --config.decode.truncate=left) or lower "
-            f"--config.decode.max_new_tokens; where --config.decode.max_len is set, at least "
-            f"{err.needed}")
+            f"raise --config.decode.max_len to at least {err.needed} (0: sized for each batch), "
+            f"or lower --config.decode.max_new_tokens or --config.decode.gamma")
   if isinstance(err, sharding.HeadsError):
     choices = ", ".join(str(v) for v in err.valid)
     return (f"--config.mesh.model={err.model_axis} divides neither the {err.heads} attention "

@@ -28,7 +28,7 @@ from specjax.api import fetch, gguf_cache
 from specjax.api.errors import UsageError
 from specjax.data.cache import build_lock, cache_dir, settings_key
 from specjax.data.tokenizer import get_tokenizer
-from specjax.models import gguf_import, hf_import, param_cache
+from specjax.models import gguf_import, hf_import, host_memory, param_cache
 from specjax.models import layers as layouts
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,8 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   size_gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
   log.info("loading the %s from %s (%.2f GB on disk) as %s ...", role, path, size_gb, dtype)
   start = time.perf_counter()
-  model, params = _load_params(path, dtype, layouts.scan_layers(layers), role)
+  with host_memory.large_blocks_returned():
+    model, params = _load_params(path, dtype, layouts.scan_layers(layers), role)
   log.info("loaded the %s in %.1fs", role, time.perf_counter() - start)
   check_vocab(role, model.vocab_size, tok, fix)
   return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tok, path=path)

@@ -2,14 +2,14 @@
 
 The Python API (specjax.api, docs/api.md): `load`, `generate`, `SpeculativeDecoder`, `Result`,
 `LoadedModel`, `NGram` (prompt lookup), `early_exit` (the target's first layers as its draft),
-`UsageError`, imported on first use so that `import specjax.models...` stays
+`sub_vocab` (a draft head over its K most frequent tokens), `UsageError`, imported on first use so that `import specjax.models...` stays
 light.
 """
 
 __version__ = "0.1.0"
 
 _API = ("LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError", "early_exit",
-        "generate", "load")
+        "generate", "load", "sub_vocab")
 __all__ = ["__version__", *_API]
 
 

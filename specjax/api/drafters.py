@@ -1,14 +1,20 @@
-"""Drafters built from the target itself (no second checkpoint): early exit, the target's first
-layers with its final norm and head (LayerSkip's self-speculation; transformers'
-`assistant_early_exit`). Prompt lookup, the drafter without a model, is decoding/ngram.NGram."""
+"""Drafters made from loaded models: early exit, the target's first layers with its final norm and
+head (LayerSkip's self-speculation; transformers' `assistant_early_exit`), and a draft whose head
+scores only its K most frequent tokens (FR-Spec). Prompt lookup, the drafter without a model, is
+decoding/ngram.NGram."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
+from specjax.data.token_counts import stdlib_counts
 from specjax.models import layers as layers_lib
+from specjax.models.prompting import eos_ids
+from specjax.models.sub_vocab import SubVocab
 
 
 def early_exit(target: LoadedModel, exit_layer: int, flag: str = "exit_layer") -> LoadedModel:
@@ -29,3 +35,36 @@ def early_exit(target: LoadedModel, exit_layer: int, flag: str = "exit_layer") -
                                                                 num_layers=exit_layer))
   return LoadedModel(model=draft, params=layers_lib.first_layers(target.params, exit_layer),
                      tokenizer=target.tokenizer, path=target.path)
+
+
+def sub_vocab(draft: LoadedModel, k: int, counts=None, flag: str = "vocab_top_k") -> LoadedModel:
+  """`draft` with a head that scores only k token ids (FR-Spec): its stop ids and the most
+  frequent others of `counts` ([V] array; None: the stdlib corpus under the draft's tokenizer,
+  counted once and cached, data/token_counts.py). Every other id gets q = 0: exact SD stays
+  lossless (the residual covers them) and acceptance is capped by the target's mass on the k ids.
+  The params keep the embedding and gain a head kernel [D, k] (a separate [D, V] head kernel is
+  replaced). `flag` names the setting in errors."""
+  model = draft.model
+  if model.is_encoder_decoder:
+    raise UsageError(f"{flag}: a sub-vocabulary head is built for decoder-only drafts; "
+                     f"{type(model).__name__} is an encoder-decoder")
+  if getattr(model.config, "head_subset", None) is not None:
+    raise UsageError(f"{flag}: this draft's head already scores {model.config.head_subset.size} "
+                     f"ids; cut it from the full draft")
+  vocab, stops = model.vocab_size, eos_ids(draft.tokenizer)
+  if isinstance(k, bool) or not isinstance(k, int) or not len(stops) <= k < vocab:
+    raise UsageError(f"{flag}={k!r}: choose a whole number of ids from {max(len(stops), 1)} to "
+                     f"{vocab - 1} (the draft has {vocab}); 0 in a config keeps the full head")
+  counts = stdlib_counts(draft.tokenizer, vocab) if counts is None else np.asarray(counts)
+  if counts.shape != (vocab,):
+    raise UsageError(f"counts has shape {counts.shape}: give one count per draft id, ({vocab},)")
+  subset = SubVocab.most_frequent(counts, k, always=stops)
+  params = dict(draft.params)
+  if model.config.tie_word_embeddings:
+    kernel = subset.head_rows(params["token_embed"]["embedding"])            # [D, k]
+  else:
+    kernel = subset.head_columns(params["lm_head"]["kernel"])                # [D, k]
+  params["lm_head"] = {"kernel": kernel}
+  config = dataclasses.replace(model.config, head_subset=subset)
+  return dataclasses.replace(draft, model=dataclasses.replace(model, config=config),
+                             params=params)

@@ -19,7 +19,7 @@ from specjax import sharding
 from specjax.acceptance import registry
 from specjax.api import methods as api_methods
 from specjax.api import rules as api_rules
-from specjax.api.drafters import early_exit
+from specjax.api.drafters import early_exit, sub_vocab
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Prompts,  # noqa: F401
@@ -93,7 +93,20 @@ def _load_pair(config, target_role: str, draft_role: str, mesh=None):
   for role in (target_role, draft_role):
     resolve.checkpoint_dir(builders.model_spec(config, role))
   return (load_placed(config, target_role, mesh, target=True),
-          load_placed(config, draft_role, mesh, target=False))
+          _draft_head(config, draft_role, load_placed(config, draft_role, mesh, target=False),
+                      mesh))
+
+
+def _draft_head(config, role: str, draft: LoadedModel, mesh) -> LoadedModel:
+  """The draft with its head cut to `vocab_top_k` ids when the section asks (0: as it is)."""
+  k = drafter_settings(config, role).vocab_top_k
+  if not k:
+    return draft
+  try:
+    draft = sub_vocab(draft, k, flag=f"--config.{role}.vocab_top_k")
+  except UsageError as err:
+    raise ConfigError(str(err)) from None
+  return api_methods.placed(draft, mesh, False, f"the {role} model")
 
 
 def autoregressive(config, target_role: str = "target", draft_role: str = "draft"):
@@ -111,6 +124,7 @@ class DrafterSettings:
   ngram_max: int = 3
   ngram_min: int = 1
   exit_layer: int = 0            # early_exit: the target's first exit_layer layers draft
+  vocab_top_k: int = 0           # > 0: the draft's head scores only its K most frequent ids
 
 
 def drafter_settings(config, role: str = "draft") -> DrafterSettings:
@@ -149,6 +163,9 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
                       f"{', '.join(n for n in names() if n != 'speculative')}") from None
   lookup = drafter(config, draft_role)
   if lookup is not None:
+    if drafter_settings(config, draft_role).vocab_top_k:
+      raise ConfigError(f"--config.{draft_role}.vocab_top_k: prompt lookup has no draft head to "
+                        f"cut; drop it or draft with a model (--config.{draft_role}.method)")
     refusal = speculative_loop.lookup_refusal(cls)
     if refusal:
       raise ConfigError(f"{refusal} (--config.rule.name; --config.{draft_role}.method=ngram)")
@@ -160,9 +177,10 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
     exit_layer = drafter_settings(config, draft_role).exit_layer
     try:
       draft = early_exit(target, exit_layer, f"--config.{draft_role}.exit_layer")
-      draft = api_methods.placed(draft, mesh, False, "the early-exit draft")
     except UsageError as err:
       raise ConfigError(str(err)) from None
+    draft = _draft_head(config, draft_role, draft, mesh)
+    draft = api_methods.placed(draft, mesh, False, "the early-exit draft")
   else:
     target, draft = _load_pair(config, "target", draft_role, mesh)
   try:

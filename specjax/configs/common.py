@@ -23,9 +23,10 @@ def draft(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.C
   """The draft section: a model section plus the drafter (`method`: "model", the checkpoint
   drafts; "ngram", prompt lookup: no model, the longest suffix of ngram_max down to ngram_min
   tokens matched in the prompt and the output; "early_exit": the target's first exit_layer
-  layers with its head)."""
+  layers with its head). vocab_top_k > 0: the draft's head scores only its K most frequent ids
+  in the stdlib corpus (FR-Spec; exact SD stays lossless)."""
   return model(checkpoint, dtype, method="model", ngram_max=3, ngram_min=1, exit_layer=0,
-               **fields)
+               vocab_top_k=0, **fields)
 
 
 def embedded_pair(config: ml_collections.ConfigDict, pair: str) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 from specjax.models import attention, hf_tensors, layers
 from specjax.models import kv_cache as kvc
 from specjax.models.decoder_only import DecoderOnly
+from specjax.models.sub_vocab import SubVocab
 
 Params = Any
 
@@ -65,6 +66,7 @@ class DecoderConfig:
   # of depth), or layers_0 ... run by a Python loop (XLA:CPU decodes faster): models/layers.py.
   # Not an HF field.
   scan_layers: bool = True
+  head_subset: SubVocab | None = None   # the head scores only these ids (models/sub_vocab.py)
 
   def __post_init__(self):
     if self.precision not in _PRECISIONS:
@@ -217,7 +219,11 @@ class _Transformer(nn.Module):
                           name="ln_f")(x)                                      # [B, T, D]
     if select is not None:
       hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
-    if cfg.tie_word_embeddings:
+    if cfg.head_subset is not None:
+      head = _Table("kernel", (cfg.d_model, cfg.head_subset.size), 0.02, cfg.dtype,
+                    name="lm_head")()                                          # [D, K]
+      logits = cfg.head_subset.logits(hidden, head, cfg.precision)              # [..., V]
+    elif cfg.tie_word_embeddings:
       logits = jnp.einsum("...d,vd->...v", hidden, wte, precision=cfg.precision,
                           preferred_element_type=jnp.float32)
     else:

@@ -39,6 +39,7 @@ import numpy as np
 from specjax.models import attention, hf_tensors, layers
 from specjax.models import kv_cache as kvc
 from specjax.models.decoder_only import DecoderOnly
+from specjax.models.sub_vocab import SubVocab
 
 Params = Any
 
@@ -111,6 +112,7 @@ class LlamaConfig:
   dtype: str = "float32"                 # params and activations; logits are always float32
   precision: str = "highest"             # of every matmul: float32 stays float32 on TF32 GPUs
   scan_layers: bool = True               # stacked + nn.scan, or layers_i + a loop: models/layers.py
+  head_subset: SubVocab | None = None    # the head scores only these ids (models/sub_vocab.py)
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
@@ -281,7 +283,11 @@ class _Transformer(nn.Module):
     hidden = _RMSNorm(cfg.rms_norm_eps, cfg.dtype, name="final_norm")(x)       # [B, T, D]
     if select is not None:
       hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
-    if cfg.tie_word_embeddings:
+    if cfg.head_subset is not None:
+      head = _Table("kernel", (cfg.d_model, cfg.head_subset.size), cfg.dtype,
+                    name="lm_head")()                                          # [D, K]
+      logits = cfg.head_subset.logits(hidden, head, cfg.precision)              # [..., V]
+    elif cfg.tie_word_embeddings:
       logits = jnp.einsum("...d,vd->...v", hidden, embed, precision=cfg.precision,
                           preferred_element_type=jnp.float32)
     else:

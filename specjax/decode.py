@@ -12,7 +12,9 @@ target decodes alone (greedy when decode.temperature == 0). A prompt longer than
 is refused with the longest that fits; --config.decode.truncate=left keeps its last tokens.
 With one prompt per batch (decode.batch_size 1) the text is printed as it is generated
 (--config.decode.stream=false: at the end). Ctrl-C writes the prompts finished so far to
---output_json (marked partial) and exits 130; a second Ctrl-C stops at once.
+--output_json (marked partial) and exits 130; a second Ctrl-C stops at once. With --output_json
+OUT the finished prompts are also kept in OUT.partial after every batch: the same command run
+again after a kill resumes after them (app/progress.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specjax.app import builders, cli, config, outputs, runner
+from specjax.app import builders, cli, config, outputs, progress, runner
 
 
 class PromptError(ValueError):
@@ -143,8 +145,12 @@ def main(argv=None) -> int:
     prompts = read_prompts(args, cfg)
     streaming = builders.decode_settings(cfg).stream     # (jax starts in runner.run, after any
                                                           # jax.distributed.initialize)
+    kept = None
+    if output and not outputs.writes_in_place(output):
+      kept = progress.Progress(output, {**cfg.to_dict(), "prompts": prompts})
     ready = time.perf_counter() - start
-    report = runner.run(cfg, prompts, show=_show if streaming else None, compare=args.compare)
+    report = runner.run(cfg, prompts, show=_show if streaming else None, compare=args.compare,
+                        progress=kept)
     times = report["timing"]
     before = ready + times["load_s"] + times["compile_s"]
     if not runner.reports():        # multi-host: process 0 prints and writes
@@ -160,8 +166,11 @@ def main(argv=None) -> int:
     if "partial" in report:
       done = report["partial"]
       print(f"specjax.decode: interrupted: {done['prompts_done']} of {done['prompts']} prompts "
-            f"finished" + (f", written to {output}" if output else ""), file=sys.stderr)
+            f"finished" + (f", written to {output}; the same command resumes after them"
+                           if output else ""), file=sys.stderr)
       return 130
+    if kept is not None:
+      kept.finish()
     return 0
 
   try:

@@ -104,3 +104,37 @@ def test_ctrl_c_writes_the_finished_prompts_marked_partial(offline_pair, capsys,
   report = json.loads(out_json.read_text())
   assert report["partial"] == {"prompts_done": 1, "prompts": 3}
   assert [r["prompt"] for r in report["results"]] == [qwen_coder.PROMPTS[0]]
+
+
+def test_a_killed_run_resumes_after_its_last_batch(offline_pair, capsys, monkeypatch):
+  from specjax.app import methods
+  real, calls = methods.Speculative.generate, []
+
+  def killed_on_the_second(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise SystemExit("killed")     # what the process leaves behind is what SIGKILL leaves
+    return real(self, *args, **kwargs)
+
+  args = ["--config.decode.max_new_tokens=6", "--config.decode.temperature=1.0",
+          "--config.rule.name=exact"]
+  whole = offline_pair / "whole.json"
+  assert decode.main([*args, "--output_json", str(whole)]) == 0
+  out_json = offline_pair / "resumed.json"
+  monkeypatch.setattr(methods.Speculative, "generate", killed_on_the_second)
+  with pytest.raises(SystemExit):
+    decode.main([*args, "--output_json", str(out_json)])
+  kept = json.loads((offline_pair / "resumed.json.partial").read_text())
+  assert [r["prompt"] for r in kept["results"]] == [qwen_coder.PROMPTS[0]]
+  capsys.readouterr()
+  assert decode.main([*args[:1], "--config.decode.temperature=0.5", args[2],
+                      "--output_json", str(out_json)]) == 2
+  assert "differs in decode.temperature" in capsys.readouterr().err
+  calls.clear()
+  monkeypatch.setattr(methods.Speculative, "generate", real)
+  assert decode.main([*args, "--output_json", str(out_json)]) == 0
+  assert "resuming: 1 of 3 prompts" in capsys.readouterr().err
+  report, want = json.loads(out_json.read_text()), json.loads(whole.read_text())
+  assert [(r["text"], r["tokens"]) for r in report["results"]] == \
+      [(r["text"], r["tokens"]) for r in want["results"]]
+  assert report["resumed"] == 1 and not (offline_pair / "resumed.json.partial").exists()

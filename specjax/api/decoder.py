@@ -93,7 +93,8 @@ class SpeculativeDecoder:
 
     max_new_tokens: generated tokens per prompt at most (rows end earlier at an end-of-sequence
     id of the target's tokenizer or at a stop string). temperature 0 is greedy; top_k 0 and
-    top_p 1 are off. seed: prompt i draws with fold_in(PRNGKey(seed), i). batch_size: prompts
+    top_p 1 are off. max_new_tokens and top_k compile per power-of-two bucket (20 and 30 share
+    a program, as do top_k 3 and 4); temperature and top_p never recompile. seed: prompt i draws with fold_in(PRNGKey(seed), i). batch_size: prompts
     decoded together (None: up to 8). chat: wrap each text as one user turn in the target's
     chat template. stop: strings that end a row (the text is cut before the first).
     stream(i, text): called with prompt i's new text as it is committed (methods with a loop of
@@ -170,21 +171,23 @@ _DECODER_ARGS = ("draft", "rule", "gamma", "mesh", "max_len")
 
 
 def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | None = None,
-            pad_batches: bool = False) -> Iterator[tuple[int, list[tuple[list[int], str, dict]]]]:
+            pad_batches: bool = False,
+            first: int = 0) -> Iterator[tuple[int, list[tuple[list[int], str, dict]]]]:
   """Decode `prompts` (texts, or id lists) in batches of method.settings.batch_size, lazily:
   yields (index of the batch's first prompt, [(generated ids, text, stats)] per prompt) as each
   batch finishes. Prompt i draws with fold_in(key, i). Every batch is padded to the bucket of
   the call's longest prompt, so that a call compiles one program per batch size.
   stream(i, text): prompt i's new text as it is committed (streaming methods on one device),
   the rest when its batch ends. pad_batches: the last batch is filled with repeats of its last
-  prompt, so that every batch has one shape (the eval tools); the repeats are dropped."""
+  prompt, so that every batch has one shape (the eval tools); the repeats are dropped.
+  first: start at prompt `first` (a resumed run: the results are those of a run from 0)."""
   size = method.settings.batch_size
   widths = method.widths(prompts)           # one bucket per model for the whole call
   rule = getattr(method, "rule", None)
   if getattr(rule, "rule_name", "") == "greedy" and method.settings.temperature > 0:
     log.warning("rule greedy decodes greedily (the target's argmax): temperature %s, top_k and "
                 "top_p do not apply; use rule exact to sample", method.settings.temperature)
-  for start in range(0, len(prompts), size):
+  for start in range(first, len(prompts), size):
     chunk = list(prompts[start:start + size])
     n = len(chunk)
     if pad_batches:

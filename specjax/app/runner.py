@@ -25,7 +25,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: int = 16,
-                   pad_batches: bool = True, show: Callable[[str], None] | None = None):
+                   pad_batches: bool = True, show: Callable[[str], None] | None = None,
+                   done: list | None = None, on_batch: Callable[[list], None] | None = None):
   """Decode `prompts` (in the chat template with decode.chat) in batches through the API's
   decoder.batches (prompt i draws with fold_in(key, i)); returns [(prompt, generated ids, text,
   per-row stats)], each prompt as given, each text cut at its EOS and at the first of
@@ -34,6 +35,8 @@ def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: 
   has one shape (the eval tools); rows past the prompts are dropped.
   show: each prompt's header and text go to show(str) as soon as its batch is done, or as it is
   generated (streaming: batches of one row, a method that streams, one device).
+  done: the rows of prompts[:len(done)], finished by an earlier run (decoding starts after
+  them); on_batch(rows) is called with every row finished so far after each batch.
   Ctrl-C raises Interrupted with the prompts finished before it."""
   if method.settings.batch_size != batch_size:
     method = method.with_settings(batch_size=batch_size)
@@ -41,20 +44,22 @@ def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: 
            len(prompts), method.label)
   live = show is not None and batch_size == 1 and method.streams and method.mesh is None
   stream = (lambda _, text: show(text)) if live else None
-  done = decoder.batches(method, formatted(method, prompts), key, stream=stream,
-                         pad_batches=pad_batches)
-  out = []
-  for start in range(0, len(prompts), batch_size):
+  out = list(done or [])
+  pending = decoder.batches(method, formatted(method, prompts), key, stream=stream,
+                            pad_batches=pad_batches, first=len(out))
+  for start in range(len(out), len(prompts), batch_size):
     if live:
       show(f"> {prompts[start]}\n")
     try:
-      _, rows = next(done)
+      _, rows = next(pending)
     except KeyboardInterrupt:
       raise Interrupted(out) from None
     for p, (ids, text, st) in zip(prompts[start:start + batch_size], rows):
       if show is not None:
         show("\n\n" if live else f"> {p}\n{text}\n\n")
       out.append((p, ids, text, st))
+    if on_batch is not None:
+      on_batch(out)
   return out
 
 
@@ -96,18 +101,22 @@ def check_overrides_apply(config, overrides) -> None:
 
 
 def run(config, prompts: list[str], show: Callable[[str], None] | None = None,
-        compare: bool = False) -> dict:
+        compare: bool = False, progress=None) -> dict:
   """`specjax.decode`'s report: per prompt its text, ids and statistics; totals; settings (with
   the devices decoding ran on, and the prompts decoded); `timing` (seconds: load, compile,
   decode, ms per token). show: stream the text (generate_texts). compare: also decode the
   prompts with the target alone (`compare`: its texts' timing and the speedup). Every process of
-  a multi-host run gets the same report."""
+  a multi-host run gets the same report. progress: an app.progress.Progress that the finished
+  prompts are saved to after each batch and resumed from (one process only)."""
   settings = builders.decode_settings(config)      # refused before any model is built
   clock, start = timing.clock(), time.perf_counter()
   compiled = clock.seconds()
   method = methods.build(config)
   load_s = time.perf_counter() - start - (clock.seconds() - compiled)
-  report = decode_timed(method, prompts, jax.random.PRNGKey(settings.seed), show)
+  if progress is not None and jax.process_count() > 1:
+    log.info("multi-host run: no progress file; a killed run starts over")
+    progress = None
+  report = decode_timed(method, prompts, jax.random.PRNGKey(settings.seed), show, progress)
   report["timing"]["load_s"] = load_s
   report["settings"] = {"mode": method.name, "label": method.label,
                         "devices": devices(method.mesh), **config.to_dict(),
@@ -120,26 +129,36 @@ def run(config, prompts: list[str], show: Callable[[str], None] | None = None,
 
 
 def decode_timed(method: methods.Method, prompts: list[str], key,
-                 show: Callable[[str], None] | None = None) -> dict:
+                 show: Callable[[str], None] | None = None, progress=None) -> dict:
   """results, aggregated stats and timing (compile_s: tracing, lowering, compiling or fetching
-  compiled programs; decode_s: the rest of the generation) of one method on the prompts."""
+  compiled programs; decode_s: the rest of the generation; tokens and ms/token: of the prompts
+  decoded by this call, not those `progress` resumed) of one method on the prompts."""
+  resumed = [(r["prompt"], r["tokens"], r["text"], r["stats"]) for r in progress.rows()] \
+      if progress is not None else []
+  on_batch = None if progress is None else (lambda rows: progress.save(_results(rows)))
   clock = timing.clock()
   compiled, start = clock.seconds(), time.perf_counter()
   partial = False
   try:
     rows = generate_texts(method, prompts, key, method.settings.batch_size, pad_batches=False,
-                          show=show)
+                          show=show, done=resumed, on_batch=on_batch)
   except Interrupted as stop:
     rows, partial = stop.rows, True
   wall, compile_s = time.perf_counter() - start, clock.seconds() - compiled
-  results = [{"prompt": p, "text": text, "tokens": ids, "stats": st} for p, ids, text, st in rows]
+  results = _results(rows)
   stats = aggregate([r["stats"] for r in results])
-  tokens = sum(len(r["tokens"]) for r in results)
+  tokens = sum(len(r["tokens"]) for r in results[len(resumed):])
   decode_s = max(wall - compile_s, 0.0)
   done = {"partial": {"prompts_done": len(rows), "prompts": len(prompts)}} if partial else {}
+  if resumed:
+    done["resumed"] = len(resumed)
   return {"results": results, "stats": stats, **done,
           "timing": {"compile_s": compile_s, "decode_s": decode_s, "tokens": tokens,
                      "ms_per_token": 1e3 * decode_s / tokens if tokens else None}}
+
+
+def _results(rows: list) -> list[dict]:
+  return [{"prompt": p, "text": text, "tokens": ids, "stats": st} for p, ids, text, st in rows]
 
 
 def speedup(alone: dict, spec: dict) -> float | None:

@@ -115,3 +115,10 @@ def test_builders_type_values_by_annotation():
 def test_an_override_of_a_list_or_a_section_is_refused_with_the_form(override, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
     load_config("tiny.py", [override])
+
+
+def test_a_string_for_a_number_or_tuple_field_names_the_field():
+  from specjax.app import builders
+  with pytest.raises(ConfigError, match=r"--config.rule.threshold='abc' is not a"):
+    builders.coerce("abc", float | tuple[float, ...], "rule.threshold")
+  assert builders.coerce([0.5, 1], float | tuple[float, ...], "rule.threshold") == (0.5, 1.0)

@@ -64,3 +64,9 @@ def test_the_config_names_the_flag(monkeypatch):
   config = load_config("tiny.py", ["--config.draft.method=nope"])
   with pytest.raises(ConfigError, match="use model .* ngram .* or early_exit"):
     speculative(config)
+
+
+@pytest.mark.parametrize("make", [specjax.early_exit, lambda m, k: specjax.sub_vocab(m, k)])
+def test_a_name_instead_of_a_loaded_model_is_refused(make):
+  with pytest.raises(specjax.UsageError, match=r"=str: pass a loaded model, specjax.load"):
+    make("builtin:tiny/target", 2)

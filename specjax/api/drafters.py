@@ -17,12 +17,19 @@ from specjax.models.prompting import eos_ids
 from specjax.models.sub_vocab import SubVocab
 
 
+def _loaded(model, name: str) -> LoadedModel:
+  if not isinstance(model, LoadedModel):
+    raise UsageError(f"{name}={type(model).__name__}: pass a loaded model, "
+                     f"specjax.load(NAME_OR_PATH)")
+  return model
+
+
 def early_exit(target: LoadedModel, exit_layer: int, flag: str = "exit_layer") -> LoadedModel:
   """The target's first `exit_layer` layers (1 .. layers - 1) with its embedding, final norm and
   head, as a draft model with the target's tokenizer and its own cache. A model that was not
   trained to exit early (LayerSkip was) predicts poorly from a middle layer: expect a low
   acceptance rate. `flag` names the setting in errors."""
-  model = target.model
+  model = _loaded(target, "target").model
   if model.is_encoder_decoder:
     raise UsageError(f"{flag}: early exit drafts with a decoder-only target's first layers; "
                      f"{type(model).__name__} is an encoder-decoder: give a draft checkpoint")
@@ -44,7 +51,7 @@ def sub_vocab(draft: LoadedModel, k: int, counts=None, flag: str = "vocab_top_k"
   lossless (the residual covers them) and acceptance is capped by the target's mass on the k ids.
   The params keep the embedding and gain a head kernel [D, k] (a separate [D, V] head kernel is
   replaced). `flag` names the setting in errors."""
-  model = draft.model
+  model = _loaded(draft, "draft").model
   if model.is_encoder_decoder:
     raise UsageError(f"{flag}: a sub-vocabulary head is built for decoder-only drafts; "
                      f"{type(model).__name__} is an encoder-decoder")

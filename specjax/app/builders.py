@@ -62,6 +62,8 @@ def coerce(value, hint, where: str):
     if len(inner) != len(value):
       raise ConfigError(f"--config.{where}={value!r} needs {len(inner)} values")
     return tuple(coerce(v, h, where) for v, h in zip(value, inner))
+  if origin is not None and not isinstance(value, origin):
+    raise ConfigError(f"--config.{where}={value!r} is not a {_name(hint)}")
   convert = _SCALARS.get(hint)
   if convert is None:
     if isinstance(hint, type) and not isinstance(value, hint):

@@ -40,7 +40,7 @@ from specjax.app.config import input_paths, load_config
 
 PHASES = ("python", "import", "config", "load", "trace", "lower", "compile", "run", "exit")
 COLUMNS = ("case", "cache", "whole_s", "cpu_s", "first_s", *(f"{p}_s" for p in PHASES), "fetched",
-           "compiled", "rss_mb")
+           "compiled", "rss_mb", "weights_mb", "largest_mb", "load_anon_mb", "anon_mb")
 T5_WIDTH = dict(d_model=512, d_kv=64, d_ff=1024, num_heads=6, feed_forward_proj="gated-gelu",
                 tie_word_embeddings=False)
 T5_DEPTHS = {"deep": 24, "shallow": 2}
@@ -111,6 +111,8 @@ def row(report: dict) -> dict:
           "exit_s": report["wall_s"] - marks["decode"],
           "fetched": fetched, "compiled": jax_.get("cache_requests", 0) - fetched,
           "rss_mb": round(report["max_rss_mb"]), "tokens": report["tokens"],
+          **{k: _mb(report.get(k)) for k in ("weights_mb", "largest_mb", "load_anon_mb",
+                                             "anon_mb")},
           "decode_s": phases["decode"], "programs": jax_["programs"]}
 
 
@@ -137,15 +139,21 @@ def medians(runs: list[dict]) -> list[dict]:
     same = [r for r in runs if (r["case"], r["cache"]) == (case, cache)]
     numeric = [c for c in COLUMNS[2:] if isinstance(same[0][c], (int, float))]
     out.append({"case": case, "cache": cache,
-                **{c: statistics.median(r[c] for r in same) for c in numeric}})
+                **{c: statistics.median(r[c] for r in same) if c in numeric else same[0][c]
+                   for c in COLUMNS[2:]}})
   return out
 
 
-COUNTS = ("fetched", "compiled", "rss_mb")
+COUNTS = ("fetched", "compiled", "rss_mb", "weights_mb", "largest_mb", "load_anon_mb", "anon_mb")
+
+
+def _mb(value) -> int | str:
+  return "-" if value is None else round(value)
 
 
 def table(rows: list[dict]) -> str:
-  fmt = lambda c, v: f"{v:g}" if c in COUNTS else f"{v:.2f}" if isinstance(v, float) else str(v)
+  fmt = lambda c, v: str(v) if isinstance(v, str) else f"{v:g}" if c in COUNTS else \
+      f"{v:.2f}" if isinstance(v, float) else str(v)
   lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   return "\n".join(lines + ["| " + " | ".join(fmt(c, r[c]) for c in COLUMNS) + " |"
                             for r in rows])

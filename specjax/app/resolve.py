@@ -49,7 +49,7 @@ def load(spec: builders.ModelSpec) -> LoadedModel:
   check_arch(spec, hf_import.read_config(path / "config.json").get("model_type"), path)
   try:
     loaded = loading.load(str(path), dtype=spec.dtype, layers=spec.layers,
-                          tokenizer=spec.tokenizer or None, role=spec.role)
+                          tokenizer=spec.tokenizer or None, role=spec.role, quant=spec.quant)
   except VocabMismatchError as err:
     if not spec.tokenizer:
       raise

@@ -13,10 +13,10 @@ STDLIB_PROMPTS = (
 
 def model(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.ConfigDict:
   """A model section: a checkpoint (local HF directory, hub id in the local cache, or
-  `builtin:PAIR/ROLE`), its dtype, its layer layout (`layers`: auto, scan or unrolled), and
-  optionally `tokenizer` or `init_from`."""
+  `builtin:PAIR/ROLE`), its dtype, its layer layout (`layers`: auto, scan or unrolled), `quant`
+  ("int8": int8 dense layers, models/quant.py) and optionally `tokenizer` or `init_from`."""
   return ml_collections.ConfigDict(dict(checkpoint=checkpoint, dtype=dtype, layers="auto",
-                                        **fields))
+                                        quant="", **fields))
 
 
 def draft(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.ConfigDict:

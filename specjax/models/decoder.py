@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import attention, hf_tensors, layers
+from specjax.models import attention, hf_tensors, layers, quant
 from specjax.models import kv_cache as kvc
 from specjax.models.decoder_only import DecoderOnly
 from specjax.models.sub_vocab import SubVocab
@@ -67,6 +67,7 @@ class DecoderConfig:
   # Not an HF field.
   scan_layers: bool = True
   head_subset: SubVocab | None = None   # the head scores only these ids (models/sub_vocab.py)
+  quant: str = ""                       # "int8": int8 dense layers (models/quant.py)
 
   def __post_init__(self):
     if self.precision not in _PRECISIONS:
@@ -76,6 +77,8 @@ class DecoderConfig:
                        f"{sorted(_ACTIVATIONS)}.")
     if self.dtype not in _DTYPES:
       raise ValueError(f"dtype '{self.dtype}' is not supported; use one of {_DTYPES}.")
+    if self.quant not in quant.QUANTS:
+      raise ValueError(f"quant '{self.quant}' is not supported; use one of {quant.QUANTS}.")
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}.")
 
@@ -121,6 +124,11 @@ class _Table(nn.Module):
     return self.param(self.leaf, _init(self.std), self.shape, jnp.dtype(self.dtype))
 
 
+def _dense(cfg: DecoderConfig, features: int, *, name: str, kernel_init) -> nn.Module:
+  return quant.dense(features, quant=cfg.quant, dtype=jnp.dtype(cfg.dtype),
+                     precision=cfg.precision, kernel_init=kernel_init, name=name)
+
+
 class _Attention(nn.Module):
   cfg: DecoderConfig
 
@@ -130,11 +138,9 @@ class _Attention(nn.Module):
     cache entries < lengths, new [T,T] causal). Returns the output and this block's k, v
     [B,T,H,Dh]: the caller writes every layer's entries in one go (no per-layer buffer copies)."""
     cfg = self.cfg
-    dt = jnp.dtype(cfg.dtype)
     batch, num_new, _ = x.shape
     heads, head_dim = cfg.num_heads, cfg.head_dim
-    dense = functools.partial(nn.Dense, heads * head_dim, dtype=dt, param_dtype=dt,
-                              precision=cfg.precision, kernel_init=_init(0.02))
+    dense = functools.partial(_dense, cfg, heads * head_dim, kernel_init=_init(0.02))
     q = dense(name="query")(x).reshape(batch, num_new, heads, head_dim)          # [B, T, H, Dh]
     k = dense(name="key")(x).reshape(batch, num_new, heads, head_dim)
     v = dense(name="value")(x).reshape(batch, num_new, heads, head_dim)
@@ -143,8 +149,8 @@ class _Attention(nn.Module):
                 (attention.heads_first(k), attention.heads_first(v), new_mask[None], None)]
     ctx = attention.attend(q, segments, scale=1.0 / math.sqrt(head_dim),
                            precision=cfg.precision)                              # [B, T, H*Dh]
-    out = nn.Dense(cfg.d_model, dtype=dt, param_dtype=dt, precision=cfg.precision, name="out",
-                   kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(ctx)      # [B, T, D]
+    out = _dense(cfg, cfg.d_model, name="out",
+                 kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(ctx)        # [B, T, D]
     return out, k, v
 
 
@@ -154,8 +160,7 @@ class _Mlp(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg = self.cfg
-    dt = jnp.dtype(cfg.dtype)
-    dense = functools.partial(nn.Dense, dtype=dt, param_dtype=dt, precision=cfg.precision)
+    dense = functools.partial(_dense, cfg)
     h = dense(cfg.d_ff, name="wi", kernel_init=_init(0.02))(x)
     h = _ACTIVATIONS[cfg.activation](h)                                        # [B, T, F]
     return dense(cfg.d_model, name="wo",

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import attention, hf_tensors, layers
+from specjax.models import attention, hf_tensors, layers, quant
 from specjax.models import kv_cache as kvc
 from specjax.models.decoder_only import DecoderOnly
 from specjax.models.sub_vocab import SubVocab
@@ -113,12 +113,15 @@ class LlamaConfig:
   precision: str = "highest"             # of every matmul: float32 stays float32 on TF32 GPUs
   scan_layers: bool = True               # stacked + nn.scan, or layers_i + a loop: models/layers.py
   head_subset: SubVocab | None = None    # the head scores only these ids (models/sub_vocab.py)
+  quant: str = ""                        # "int8": int8 dense layers (models/quant.py)
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
       raise ValueError(f"dtype '{self.dtype}' is not supported; use one of {_DTYPES}.")
     if self.precision not in _PRECISIONS:
       raise ValueError(f"precision '{self.precision}' is not supported; use one of {_PRECISIONS}.")
+    if self.quant not in quant.QUANTS:
+      raise ValueError(f"quant '{self.quant}' is not supported; use one of {quant.QUANTS}.")
     if self.model_type not in MODEL_TYPES:
       raise ValueError(f"model_type '{self.model_type}' is not one of {MODEL_TYPES}.")
     if self.num_heads % self.num_kv_heads:
@@ -137,10 +140,10 @@ def _init(std: float):
   return nn.initializers.normal(stddev=std)
 
 
-def _dense(cfg: LlamaConfig, features: int, use_bias: bool, name: str) -> nn.Dense:
-  dt = jnp.dtype(cfg.dtype)
-  return nn.Dense(features, use_bias=use_bias, dtype=dt, param_dtype=dt, precision=cfg.precision,
-                  kernel_init=_init(0.02), name=name)
+def _dense(cfg: LlamaConfig, features: int, use_bias: bool, name: str) -> nn.Module:
+  return quant.dense(features, quant=cfg.quant, dtype=jnp.dtype(cfg.dtype),
+                     precision=cfg.precision, use_bias=use_bias, kernel_init=_init(0.02),
+                     name=name)
 
 
 class _RMSNorm(nn.Module):

@@ -1,0 +1,97 @@
+"""int8 weights: the dense layers of a decoder-only model stored as int8 with a float32 scale per
+output channel, multiplied as int8 x int8 -> int32 with activations quantized per row on the fly
+(W8A8, symmetric, round to nearest).
+
+Why W8A8 and not weight-only int8: a decoding step is a matrix-vector product that reads every
+weight once, so its time is the weights' bytes; int8 reads a quarter of float32's. XLA:CPU runs
+an int8 x int8 -> int32 product of two or more rows through its integer kernels (VNNI where the
+CPU has it), while a float32 x dequantized-int8 product or a one-row int8 product falls back to
+a slow loop (about 15x float32's time). So activations are quantized too, and a one-row product
+is padded to two rows (the extra row costs nothing next to the weights' bytes).
+
+What is quantized: every Dense kernel of the transformer layers (attention q/k/v/out, the MLP).
+The embedding table and the output layer stay in the model dtype. Speculative decoding is exact
+relative to the quantized target: it is just another target.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+QUANTS = ("", "int8")      # "": the model dtype's dense layers
+_QMAX = 127.0
+
+
+class Int8Dense(nn.Module):
+  """nn.Dense over an int8 kernel [in, out] with a float32 `scale` [out] (and an optional bias in
+  the activation dtype): x [..., in] -> [..., out] in `dtype`."""
+  features: int
+  use_bias: bool = True
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.zeros, (x.shape[-1], self.features), jnp.int8)
+    scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
+    y = int8_matmul(x, kernel, scale).astype(self.dtype)
+    if self.use_bias:
+      y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype))
+    return y
+
+
+def dense(features: int, *, quant: str, dtype, precision, name: str, use_bias: bool = True,
+          kernel_init=nn.initializers.lecun_normal()) -> nn.Module:
+  """The dense layer of a model whose config says `quant` ("": nn.Dense in `dtype`)."""
+  if quant == "int8":
+    return Int8Dense(features, use_bias=use_bias, dtype=dtype, name=name)
+  return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype,
+                  precision=precision, kernel_init=kernel_init, name=name)
+
+
+def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+  """x [..., K] (float) times kernel [K, N] int8 with scale [N] -> float32 [..., N]: each row of
+  x quantized with its own absmax scale, the product accumulated in int32."""
+  lead, width = x.shape[:-1], x.shape[-1]
+  rows = x.reshape(-1, width).astype(jnp.float32)                       # [M, K]
+  m = rows.shape[0]
+  if m == 1:                       # a one-row int8 product is XLA:CPU's slow path (docstring)
+    rows = jnp.concatenate([rows, rows], axis=0)
+  amax = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)                 # [M, 1]
+  row_scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
+  q = jnp.round(rows / row_scale).astype(jnp.int8)
+  acc = jax.lax.dot_general(q, kernel, (((1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.int32)           # [M, N]
+  y = acc.astype(jnp.float32) * row_scale * scale
+  return y[:m].reshape(*lead, kernel.shape[-1])
+
+
+@jax.jit
+def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """kernel [..., in, out] float -> (int8 [..., in, out], float32 scale [..., out]): symmetric,
+  per output channel (per layer too when stacked)."""
+  w = kernel.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(w), axis=-2)
+  scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
+  q = jnp.clip(jnp.round(w / scale[..., None, :]), -_QMAX, _QMAX).astype(jnp.int8)
+  return q, scale
+
+
+_NOT_DENSE = ("lm_head",)          # read as a raw table by the head, never a Dense layer
+
+
+def quantize_params(params: dict) -> dict:
+  """The params of a float model -> those of its int8 twin (config quant="int8"): every Dense
+  kernel under the layers replaced by (int8 kernel, scale), in place, each float kernel dropped
+  as soon as it is converted (the host holds one float leaf extra at a time)."""
+  for name, sub in params.items():
+    if not isinstance(sub, dict) or name in _NOT_DENSE:
+      continue
+    if "kernel" in sub and not isinstance(sub["kernel"], dict):
+      sub["kernel"], sub["scale"] = quantize_kernel(sub.pop("kernel"))
+    else:
+      quantize_params(sub)
+  return params

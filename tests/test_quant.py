@@ -1,0 +1,123 @@
+"""int8 dense layers (models/quant.py): the product against float32, a quantized model against
+its float twin, and speculative decoding exact relative to the quantized target (greedy equals
+it alone; exact sampling keeps its law, a broken rule fails the same test)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import testing
+from specjax.acceptance import registry
+from specjax.decoding import autoregressive
+from specjax.decoding import speculative as loop
+from specjax.models import Prompt, layers, quant
+from specjax.sampling import Warp
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_the_int8_product_approximates_float32(rows):
+  rng = np.random.RandomState(rows)
+  x = jnp.asarray(rng.randn(rows, 64), jnp.float32)
+  w = jnp.asarray(rng.randn(64, 48) * 0.1, jnp.float32)
+  kernel, scale = quant.quantize_kernel(w)
+  assert kernel.dtype == jnp.int8 and scale.shape == (48,)
+  got, want = quant.int8_matmul(x, kernel, scale), x @ w
+  assert got.shape == want.shape
+  np.testing.assert_allclose(got, want, atol=0.03 * float(jnp.max(jnp.abs(want))))
+
+
+def _quantized(model, params):
+  int8 = dataclasses.replace(model, config=dataclasses.replace(model.config, quant="int8"))
+  return int8, quant.quantize_params(jax.tree.map(lambda x: x, params))
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_quantized_decoder_tracks_its_float_twin(scan):
+  model, params = testing.tiny_decoder(seed=1, vocab_size=32, num_layers=2)
+  model = layers.with_scan(model, scan)
+  params = layers.to_layout(params, scan)
+  int8, qparams = _quantized(model, params)
+  like = jax.eval_shape(int8.init_params, jax.random.PRNGKey(0))
+  assert jax.tree.structure(like) == jax.tree.structure(qparams)
+  kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(qparams)
+             if jax.tree_util.keystr(path).endswith("['kernel']")]
+  assert kernels and all(k.dtype == jnp.int8 for k in kernels)
+  tokens = jnp.array([[3, 7, 9, 2, 5]])
+  cache = model.init_cache(1, 8)
+  want, _, _ = model.extend_entries(params, tokens, cache)
+  got, _, _ = int8.extend_entries(qparams, tokens, cache)
+  p, q = jax.nn.softmax(want), jax.nn.softmax(got)
+  assert float(jnp.max(jnp.sum(jnp.abs(p - q), -1))) < 0.1          # total variation x 2
+
+
+def test_greedy_sd_equals_the_quantized_target_alone():
+  target, tparams = _quantized(*testing.tiny_decoder(seed=2, vocab_size=16))
+  draft, dparams = _quantized(*testing.tiny_decoder(seed=3, vocab_size=16))
+  prompt, key, greedy = Prompt.from_lists([[1, 2, 3], [4]]), jax.random.PRNGKey(0), Warp(0.0)
+  ar = autoregressive.generate(target, tparams, prompt, key, max_new_tokens=12, warp=greedy,
+                               eos_id=None)
+  sd = loop.generate(target, tparams, draft, dparams, prompt, key, rule="greedy", gamma=3,
+                     max_new_tokens=12, warp=greedy, eos_id=None)
+  np.testing.assert_array_equal(sd.tokens, ar.tokens)
+
+
+# The law of a quantized target over V=4 ids and 3 new tokens, enumerated from its own logits.
+V, MAX_NEW, PROMPT, N_RUNS = 4, 3, [1, 2, 1], 20_000
+
+
+def _law(model, params, warp) -> dict[tuple[int, ...], float]:
+  law, stack = {}, [((), 1.0)]
+  while stack:
+    seq, mass = stack.pop()
+    tokens = list(PROMPT) + list(seq)
+    cache = model.init_cache(1, 16)
+    logits, _, _ = model.prefill(params, Prompt.from_lists([tokens]), cache)
+    probs = np.exp(np.asarray(warp.log_probs(logits[0]), np.float64))
+    probs /= probs.sum()
+    for tok, pr in enumerate(probs):
+      new = seq + (tok,)
+      if len(new) == MAX_NEW:
+        law[new] = law.get(new, 0.0) + mass * pr
+      else:
+        stack.append((new, mass * pr))
+  return law
+
+
+def _pvalue(rule) -> float:
+  target, tparams = _quantized(*testing.tiny_decoder(seed=5, vocab_size=V))
+  draft, dparams = testing.tiny_decoder(seed=6, vocab_size=V)
+  warp = Warp(temperature=1.0)
+  gen = loop.generate(target, tparams, draft, dparams, Prompt.from_lists([PROMPT] * N_RUNS),
+                      jax.random.PRNGKey(7), rule=rule, gamma=2, max_new_tokens=MAX_NEW,
+                      warp=warp, eos_id=None)
+  counts = testing.sequence_counts(gen.tokens, gen.lengths)
+  return testing.chi_square_pvalue(_law(target, tparams, warp), counts)
+
+
+def test_exact_sd_keeps_the_quantized_targets_law():
+  assert _pvalue(registry.get("exact")) > 1e-3
+
+
+def test_a_broken_rule_fails_the_same_law_test():
+  assert _pvalue(testing.ResampleFromP()) < 1e-6
+
+
+def test_a_bad_quant_is_refused():
+  from specjax.models.decoder import DecoderConfig
+  with pytest.raises(ValueError, match="quant 'int4' is not supported"):
+    DecoderConfig(quant="int4")
+
+
+
+def test_an_encoder_decoder_is_refused_with_the_families_that_have_it():
+  from specjax.api import loading
+  model, _ = testing.tiny_t5()
+  with pytest.raises(ValueError, match="int8 layers exist for the decoder-only families"):
+    loading._quantized(model, "int8", "target")
+  with pytest.raises(ValueError, match="quant='int4': use int8"):
+    loading.load("builtin:tiny/target", quant="int4")

@@ -33,7 +33,8 @@ def test_the_int8_product_approximates_float32(rows):
 
 def _quantized(model, params):
   int8 = dataclasses.replace(model, config=dataclasses.replace(model.config, quant="int8"))
-  return int8, quant.quantize_params(jax.tree.map(lambda x: x, params))
+  return int8, quant.quantize_params(jax.tree.map(lambda x: x, params),
+                                     model.config.tie_word_embeddings)
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -121,3 +122,21 @@ def test_an_encoder_decoder_is_refused_with_the_families_that_have_it():
     loading._quantized(model, "int8", "target")
   with pytest.raises(ValueError, match="quant='int4': use int8"):
     loading.load("builtin:tiny/target", quant="int4")
+
+
+def test_a_sub_vocabulary_head_of_a_quantized_draft():
+  import types
+
+  import specjax
+  from specjax.api.loading import LoadedModel
+  model, params = _quantized(*testing.tiny_decoder(seed=3, vocab_size=16))
+  draft = LoadedModel(model, params, types.SimpleNamespace(eos_ids=(1,)), None)
+  cut = specjax.sub_vocab(draft, 5, counts=np.arange(16)[::-1].copy())
+  assert cut.params["lm_head"]["kernel"].dtype == jnp.int8
+  head = cut.params["lm_head"]
+  assert head["kernel"].shape == (32, 5) and head["scale"].shape == (5,)
+  tokens, cache = jnp.array([[2, 7, 9]]), model.init_cache(1, 8)
+  want, _, _ = model.extend_entries(params, tokens, cache)
+  got, _, _ = cut.model.extend_entries(cut.params, tokens, cache)
+  np.testing.assert_allclose(got[..., :5], want[..., :5], rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(got[..., 5:]) == -np.inf)

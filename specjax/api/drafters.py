@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.api.errors import UsageError
@@ -67,11 +68,15 @@ def sub_vocab(draft: LoadedModel, k: int, counts=None, flag: str = "vocab_top_k"
     raise UsageError(f"counts has shape {counts.shape}: give one count per draft id, ({vocab},)")
   subset = SubVocab.most_frequent(counts, k, always=stops)
   params = dict(draft.params)
-  if model.config.tie_word_embeddings:
-    kernel = subset.head_rows(params["token_embed"]["embedding"])            # [D, k]
+  head = params.get("lm_head", {})
+  if getattr(model.config, "quant", ""):              # int8 kernel [D, V] with a scale [V]
+    head = {"kernel": subset.head_columns(head["kernel"]),
+            "scale": jnp.take(head["scale"], jnp.asarray(subset.ids))}
+  elif model.config.tie_word_embeddings:
+    head = {"kernel": subset.head_rows(params["token_embed"]["embedding"])}
   else:
-    kernel = subset.head_columns(params["lm_head"]["kernel"])                # [D, k]
-  params["lm_head"] = {"kernel": kernel}
+    head = {"kernel": subset.head_columns(head["kernel"])}                    # [D, k]
+  params["lm_head"] = head
   config = dataclasses.replace(model.config, head_subset=subset)
   return dataclasses.replace(draft, model=dataclasses.replace(model, config=config),
                              params=params)

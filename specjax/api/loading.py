@@ -200,7 +200,8 @@ def _load_params(path: Path, dtype: str, scan: bool, role: str, quant: str = "")
       log.warning("ignoring the cached params in %s (%s)", cached, err)
   model, params = hf_import.load_model(str(path), dtype, scan_layers=scan)
   if quant:
-    model, params = _quantized(model, quant, role), quant_lib.quantize_params(params)
+    model = _quantized(model, quant, role)
+    params = quant_lib.quantize_params(params, model.config.tie_word_embeddings)
   if cached is not None:
     _save_at_exit(cached, params, role)
   return model, params
@@ -218,6 +219,7 @@ def _quantized(model, quant: str, role: str):
 
 
 PARAM_CACHE_VERSION = 1
+QUANT_VERSION = 2        # int8 params: bump when quant.quantize_params changes
 
 
 def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "") -> Path | None:
@@ -228,7 +230,7 @@ def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "") -> Pat
   if os.environ.get("SPECJAX_PARAM_CACHE", "1") == "0" or root.resolve() not in path.parents:
     return None
   files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".json"))
-  quant_key = {"quant": quant} if quant else {}       # float params keep their old keys
+  quant_key = {"quant": quant, "qv": QUANT_VERSION} if quant else {}   # float keys as before
   key = settings_key({"path": str(path), "dtype": dtype, "scan": scan, **quant_key,
                       "v": PARAM_CACHE_VERSION,
                       "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]})

@@ -9,8 +9,10 @@ CPU has it), while a float32 x dequantized-int8 product or a one-row int8 produc
 a slow loop (about 15x float32's time). So activations are quantized too, and a one-row product
 is padded to two rows (the extra row costs nothing next to the weights' bytes).
 
-What is quantized: every Dense kernel of the transformer layers (attention q/k/v/out, the MLP).
-The embedding table and the output layer stay in the model dtype. Speculative decoding is exact
+What is quantized: every Dense kernel of the transformer layers (attention q/k/v/out, the MLP)
+and the output layer (a tied head gets an int8 copy of the embedding table, [D, V]: at a quarter
+of float32's bytes it is read once per step where the float table was). The embedding table
+stays in the model dtype for the input lookup, which reads one row per token. Speculative decoding is exact
 relative to the quantized target: it is just another target.
 """
 
@@ -80,18 +82,32 @@ def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
   return q, scale
 
 
-_NOT_DENSE = ("lm_head",)          # read as a raw table by the head, never a Dense layer
-
-
-def quantize_params(params: dict) -> dict:
-  """The params of a float model -> those of its int8 twin (config quant="int8"): every Dense
-  kernel under the layers replaced by (int8 kernel, scale), in place, each float kernel dropped
-  as soon as it is converted (the host holds one float leaf extra at a time)."""
+def quantize_params(params: dict, tied: bool) -> dict:
+  """The params of a float decoder-only model -> those of its int8 twin (config quant="int8"),
+  in place: every Dense kernel under the layers replaced by (int8 kernel, scale), each float
+  kernel dropped as soon as it is converted (the host holds one float leaf extra at a time), and
+  the output layer as `lm_head` (kernel [D, V] int8, scale [V]): from the untied head's kernel,
+  or (`tied`) from the embedding table transposed, which stays for the input lookup."""
   for name, sub in params.items():
-    if not isinstance(sub, dict) or name in _NOT_DENSE:
-      continue
-    if "kernel" in sub and not isinstance(sub["kernel"], dict):
-      sub["kernel"], sub["scale"] = quantize_kernel(sub.pop("kernel"))
-    else:
-      quantize_params(sub)
+    if name != "lm_head" and isinstance(sub, dict):
+      _quantize_dense(sub)
+  if tied:
+    kernel, scale = _quantize_transposed(params["token_embed"]["embedding"])     # [V, D] ->
+  else:
+    kernel, scale = quantize_kernel(params["lm_head"].pop("kernel"))
+  params["lm_head"] = {"kernel": kernel, "scale": scale}
   return params
+
+
+@jax.jit
+def _quantize_transposed(table: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return quantize_kernel(table.T)
+
+
+def _quantize_dense(tree: dict) -> None:
+  if "kernel" in tree and not isinstance(tree["kernel"], dict):
+    tree["kernel"], tree["scale"] = quantize_kernel(tree.pop("kernel"))
+    return
+  for sub in tree.values():
+    if isinstance(sub, dict):
+      _quantize_dense(sub)

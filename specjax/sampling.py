@@ -23,10 +23,13 @@ class Warp:
   temperature 0 means greedy: a one-hot argmax distribution (log-prob 0 at the argmax, -inf
   elsewhere), so that ratio tests and residuals need no special case. top_k 0 and top_p 1 are off.
 
-  A pytree: temperature and top_p are its leaves, so the decoding loops take a Warp as a traced
-  argument and another temperature or top_p reuses the compiled program. What changes the
-  program is static (the tree's aux data): greedy or not, top_p on or off, and top_k itself
-  (lax.top_k needs a static k; a traced one would sort the whole vocabulary at every step).
+  A pytree: temperature, top_k and top_p are its leaves, so the decoding loops take a Warp as a
+  traced argument and another temperature, top_p or top_k reuses the compiled program. What
+  changes the program is static (the tree's aux data): greedy or not, top_p on or off, and
+  top_k's bucket k_max (top_k_bucket: 0 when off, else the next power of two), since lax.top_k
+  needs a static k and a traced one would sort the whole vocabulary at every step: the loop
+  takes the k_max largest logits and keeps those >= the k-th of them (top_k 3 and 4 share one
+  program, 5 compiles another).
   """
   temperature: float = 1.0
   top_k: int = 0
@@ -43,17 +46,18 @@ class Warp:
     object.__setattr__(self, "temperature", float(self.temperature))
     object.__setattr__(self, "top_k", int(self.top_k))
     object.__setattr__(self, "top_p", float(self.top_p))
-    object.__setattr__(self, "_static", (self.temperature == 0, self.top_k, self.top_p < 1))
+    object.__setattr__(self, "_static",
+                       (self.temperature == 0, top_k_bucket(self.top_k), self.top_p < 1))
 
   def tree_flatten(self):
-    return (self.temperature, self.top_p), self._static
+    return (self.temperature, self.top_k, self.top_p), self._static
 
   @classmethod
   def tree_unflatten(cls, static, leaves):
     warp = object.__new__(cls)           # traced leaves: no checks (they were made on the host)
     object.__setattr__(warp, "temperature", leaves[0])
-    object.__setattr__(warp, "top_k", static[1])
-    object.__setattr__(warp, "top_p", leaves[1])
+    object.__setattr__(warp, "top_k", leaves[1])
+    object.__setattr__(warp, "top_p", leaves[2])
     object.__setattr__(warp, "_static", static)
     return warp
 
@@ -67,10 +71,8 @@ class Warp:
     if self.greedy:
       return _one_hot_log_probs(logits)
     z = logits / self.temperature
-    vocab = z.shape[-1]
-    if 0 < self.top_k < vocab:
-      kth = jax.lax.top_k(z, self.top_k)[0][..., -1:]                 # [..., 1]
-      z = jnp.where(z < kth, -jnp.inf, z)
+    if self._static[1]:                                                   # top_k > 0
+      z = _top_k_mask(z, self.top_k, self._static[1])
     if self._static[2]:                                                   # top_p < 1
       z = _top_p_mask(z, self.top_p)
     return jax.nn.log_softmax(z, axis=-1)
@@ -80,6 +82,23 @@ class Warp:
     if self.greedy:
       return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return categorical(self.log_probs(logits), keys)
+
+
+def top_k_bucket(k: int) -> int:
+  """The static k_max a loop compiles for top_k = k: 0 (off) for 0, else the next power of two.
+  Example: 1 -> 1, 3 -> 4, 4 -> 4, 5 -> 8."""
+  return 0 if k <= 0 else 1 << (int(k) - 1).bit_length()
+
+
+def _top_k_mask(z: jax.Array, k, k_max: int) -> jax.Array:
+  """z [..., V] with every entry below its k-th largest set to -inf; k (traced, 1 <= k <=
+  k_max) is read from the k_max largest (lax.top_k's static k). k >= V masks nothing: the k-th
+  largest is then clipped to the smallest entry. The k-th largest is the same float as
+  lax.top_k(z, k)'s last, so the law equals a static-k mask's exactly."""
+  top = jax.lax.top_k(z, min(k_max, z.shape[-1]))[0]                   # [..., k_max] descending
+  index = jnp.clip(jnp.asarray(k, jnp.int32) - 1, 0, top.shape[-1] - 1)
+  kth = jax.lax.dynamic_slice_in_dim(top, index, 1, axis=-1)            # [..., 1]
+  return jnp.where(z < kth, -jnp.inf, z)
 
 
 def _one_hot_log_probs(logits: jax.Array) -> jax.Array:

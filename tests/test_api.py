@@ -295,3 +295,74 @@ def test_a_rule_error_names_the_rule_once(models):
     specjax.generate(models["target"], ["x"], draft=models["other"], rule="union",
                      min_overlap=2)
   assert str(err.value).count("rule 'union'") == 1, err.value
+
+
+# ------------------------------------------------------------------ fewer recompiles (#27)
+
+def _compiles(call):
+  """(call's result, seconds it spent compiling)."""
+  clock = timing.clock()
+  before = clock.seconds()
+  out = call()
+  return out, clock.seconds() - before
+
+
+@pytest.mark.parametrize("one_call,gamma", [(False, 3), (True, 2)])   # gamma: programs apart
+def test_max_new_tokens_of_one_bucket_compiles_once(models, one_call, gamma):
+  """max_new_tokens is traced within its bucket (20 and 30: 32): the second compiles nothing,
+  stops at exactly its limit and gives the tokens of a fresh decoder; 40 (bucket 64) compiles
+  one more loop. Exact sampling commits the same blocks until the limit: 20's tokens are the
+  first 20 of 30's."""
+  target, draft = models["target"], models["draft"]
+  decoder = specjax.SpeculativeDecoder(target, draft, rule="exact", gamma=gamma)
+  run = ((lambda n: specjax.generate(target, PROMPTS, draft=draft, gamma=gamma,
+                                     max_new_tokens=n, seed=4)) if one_call else
+         (lambda n: decoder.generate(PROMPTS, max_new_tokens=n, seed=4)))
+  short = run(20)
+  loops = speculative.run._cache_size()
+  long, seconds = _compiles(lambda: run(30))
+  assert seconds == 0 and speculative.run._cache_size() == loops
+  fresh = specjax.SpeculativeDecoder(target, draft, rule="exact", gamma=gamma).generate(
+      PROMPTS, max_new_tokens=30, seed=4)
+  assert long.tokens == fresh.tokens and long.stats == fresh.stats
+  assert all(len(t) <= 30 for t in long.tokens) and max(len(t) for t in long.tokens) > 20
+  assert long.stats["emitted"] == sum(len(t) for t in long.tokens)
+  assert [t[:20] for t in long.tokens] == short.tokens
+  _, seconds = _compiles(lambda: run(40))
+  assert seconds > 0 and speculative.run._cache_size() == loops + 1
+
+
+def test_top_k_of_one_bucket_compiles_once(models):
+  """top_k 3 and 4 (k_max 4) share the compiled loop and sample differently."""
+  decoder = specjax.SpeculativeDecoder(models["target"], models["draft"], rule="exact")
+  three = decoder.generate(PROMPTS, max_new_tokens=12, top_k=3, seed=2)
+  four, seconds = _compiles(lambda: decoder.generate(PROMPTS, max_new_tokens=12, top_k=4,
+                                                     seed=2))
+  assert seconds == 0 and four.tokens != three.tokens
+  fresh = specjax.SpeculativeDecoder(models["target"], models["draft"], rule="exact").generate(
+      PROMPTS, max_new_tokens=12, top_k=4, seed=2)
+  assert four.tokens == fresh.tokens
+
+
+@pytest.mark.parametrize("draft", [None, "draft", "ngram"])
+def test_greedy_output_with_a_limit_is_the_start_of_a_longer_run(models, draft):
+  """Whatever its bucket, max_new_tokens=N ends a greedy row after exactly its first N tokens
+  (or at EOS)."""
+  draft = models.get(draft, draft)
+  run = lambda n: specjax.generate(models["target"], PROMPTS, draft=draft, temperature=0,
+                                   max_new_tokens=n).tokens
+  longest = run(40)
+  for n in (1, 5, 16, 17, 33):
+    assert run(n) == [t[:n] for t in longest], n
+
+
+def test_a_prompt_that_fits_its_limit_is_not_refused_for_its_bucket(models):
+  """The tiny target holds 128 positions: a prompt of 84 tokens with max_new_tokens 40 and gamma
+  4 fills it exactly (84 + 40 + 4), though the bucket of 40 (64) would not fit."""
+  prompt = [list(range(5, 89))]
+  out = specjax.generate(models["target"], prompt, draft=models["draft"], temperature=0,
+                         max_new_tokens=40)
+  alone = specjax.generate(models["target"], prompt, temperature=0, max_new_tokens=40)
+  assert out.tokens == alone.tokens and 0 < len(out.tokens[0]) <= 40
+  with pytest.raises(ValueError, match=r"at most 40 for this prompt"):
+    specjax.generate(models["target"], prompt, draft=models["draft"], max_new_tokens=41)

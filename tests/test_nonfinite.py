@@ -109,7 +109,7 @@ def test_speculative_state_flags_the_draft_alone(models):
   setup = speculative._validate(target, draft, PROMPT, None, rule="exact", gamma=3,
                                 max_new_tokens=6, warp=sampling.Warp(), eos_id=None,
                                 max_len=None)
-  keys, knobs = sampling.as_row_keys(KEY, 2), (setup.rule, setup.warp)
+  keys, knobs = sampling.as_row_keys(KEY, 2), (setup.rule, setup.warp, setup.limit)
   state = speculative.run(setup, tparams, _poisoned(dparams), PROMPT, PROMPT, keys, knobs)
   assert np.asarray(state.stats.nonfinite).tolist() == [DRAFT, DRAFT]
   state = speculative.run(setup, tparams, dparams, PROMPT, PROMPT, keys, knobs)

@@ -39,6 +39,24 @@ def test_top_k_keeps_k_largest():
   np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, atol=1e-6)
 
 
+def test_top_k_of_one_bucket_compiles_once_and_keeps_its_own_k():
+  """top_k is traced within its power-of-two bucket: 3 and 4 share one program (k_max 4) and
+  keep 3 and 4 tokens; 5 (k_max 8) compiles another. A k at or past the vocabulary keeps all."""
+  logits = _logits(shape=(3, 11))
+  log_probs = jax.jit(lambda warp, z: warp.log_probs(z))
+  three, four = log_probs(Warp(top_k=3), logits), log_probs(Warp(top_k=4), logits)
+  assert log_probs._cache_size() == 1
+  assert (np.isfinite(np.asarray(three)).sum(-1) == 3).all()
+  assert (np.isfinite(np.asarray(four)).sum(-1) == 4).all()
+  np.testing.assert_array_equal(three, Warp(top_k=3).log_probs(logits))
+  five = log_probs(Warp(top_k=5), logits)
+  assert log_probs._cache_size() == 2 and (np.isfinite(np.asarray(five)).sum(-1) == 5).all()
+  for k in (11, 16):
+    np.testing.assert_allclose(Warp(top_k=k).log_probs(logits), jax.nn.log_softmax(logits),
+                               atol=1e-6)
+  assert [sampling.top_k_bucket(k) for k in (0, 1, 2, 3, 4, 5, 9)] == [0, 1, 2, 4, 4, 8, 16]
+
+
 def test_top_p_keeps_smallest_set_reaching_mass():
   probs = jnp.array([[0.5, 0.3, 0.15, 0.05]])
   lp = Warp(top_p=0.8).log_probs(jnp.log(probs))

@@ -231,7 +231,7 @@ CHILD = textwrap.dedent("""
       args = sharded.place_args((target, draft), (tp, dp),
                                 sharded.pad_rows((prompt, prompt), rows),
                                 sharded.pad_rows(keys, rows), mesh)
-      args += sharded.place_shared(((setup.rule, setup.warp),), mesh)
+      args += sharded.place_shared(((setup.rule, setup.warp, setup.limit),), mesh)
       text = sharded.jitted(speculative.loop, setup, args).lower(*args).compile().as_text()
       return dict(collectives=[list(c) for c in sharded.loop_collectives(text)],
                   capacity=setup.max_len)

@@ -95,7 +95,8 @@ def test_caches_follow_the_loop_invariant_and_stats_add_up():
   setup = speculative._validate(MODEL, MODEL, prompt, None, rule="exact", gamma=3,
                                 max_new_tokens=6, warp=Warp(), eos_id=EOS, max_len=None)
   keys = sampling.row_keys(jax.random.PRNGKey(5), len(ROWS))
-  state = speculative.run(setup, TARGET, DRAFT, prompt, prompt, keys, (setup.rule, setup.warp))
+  state = speculative.run(setup, TARGET, DRAFT, prompt, prompt, keys, (setup.rule, setup.warp,
+                                                                      setup.limit))
   for b, row in enumerate(ROWS):
     stream = row + [int(t) for t in state.tokens[b, :int(state.lengths[b])]]
     assert MODEL.stored_tokens(state.target_cache, b) == stream[:-1]          # minus pending

@@ -8,6 +8,10 @@ that fits is `limit - reserved`. Example: n_positions 256, max_new_tokens 64, ga
 SD): 256 - (64 + 4) = 188 tokens; a draft on another tokenizer whose longest spelling of a target
 token is 5 draft tokens: 256 - (5 * 64 + 4) < 0, no prompt fits, and max_new_tokens may be at most
 (256 - 4 - n) // 5 for an n-token prompt.
+
+max_new_tokens here is the limit itself, never the bucket the loops compile for
+(decoding/state.new_tokens_bucket): a prompt that fits 40 new tokens is not refused because 40's
+bucket is 64 (a cache sized by the loop holds the bucket only where the position table allows).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Row b draws output token t with key fold_in(row_key_b, t), so a row's output doe
 the batch it sits in. The first token comes from prefill's logits; each later step feeds the last
 token with one `extend` call. Rows stop independently at EOS or max_new_tokens. With `mesh=` the
 same `loop` runs sharded (decoding/sharded.py).
+
+max_new_tokens is traced: the program is compiled for its bucket (state.new_tokens_bucket: the
+token buffer, and the cache when max_len is not given), so 20 and 30 share one program.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import sampling
 from specjax.decoding import sharded
 from specjax.decoding.state import (TARGET, Generation, SpecState, SpecStats,
-                                    OnChunk, Reserve, chunk_loop, is_stop, nonfinite_rows,
-                                    run_loop, stop_ids, write_rows)
+                                    OnChunk, Reserve, auto_capacity, chunk_loop, is_stop,
+                                    new_tokens_bucket, nonfinite_rows, run_loop, stop_ids,
+                                    write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -55,13 +60,21 @@ RESERVE = Reserve(per_token=1, fixed=0)
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """Everything static about one generation (the jit cache key)."""
+  """Everything static about one generation (the jit cache key); warp and limit are None in the
+  key and the traced values inside the compiled loop (`with_knobs`)."""
   model: Any
   warp: sampling.Warp
   eos: tuple[int, ...]   # stop ids; (): none
-  max_new: int
+  max_new: int      # the token buffer: new_tokens_bucket(max_new_tokens)
   max_len: int      # cache capacity
   mesh: Any = None  # a ('data', 'model') Mesh: the loop runs sharded over it
+  limit: Any = None  # [] int32, traced: max_new_tokens itself (<= max_new)
+
+
+def with_knobs(setup: Setup, knobs) -> Setup:
+  """The setup with the traced (warp, limit) of a compiled call in it."""
+  warp, limit = knobs
+  return dataclasses.replace(setup, warp=warp, limit=limit)
 
 
 def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: int,
@@ -79,35 +92,38 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   the flags: training, whose device-side finite check sees the same weights' loss).
   """
   check_lengths(max_new_tokens, prompt)
-  need = RESERVE.need(prompting.prefix_len(model, prompt), max_new_tokens)
-  max_len = need if max_len is None else int(max_len)
+  prefix, bucket = prompting.prefix_len(model, prompt), new_tokens_bucket(max_new_tokens)
+  need = RESERVE.need(prefix, max_new_tokens)
+  max_len = (auto_capacity(need, RESERVE.need(prefix, bucket), (model,)) if max_len is None
+             else int(max_len))
   kv_cache.check_capacity(need, max_len, "prompt + max_new_tokens")
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
-  # The warp is a traced argument, not part of the static setup: another temperature or top_p
-  # reuses the compiled loop (sampling.Warp).
-  setup = Setup(model, None, stop_ids(eos_id), max_new_tokens, max_len, mesh)
-  start = lambda: (_init_jit(setup, params, prompt, keys, warp),
-                   lambda s, steps: _chunk_jit(setup, params, s, steps, warp))
-  return run_loop(lambda: _run(setup, params, prompt, keys, warp), start,
+  # The warp and the limit are traced arguments, not part of the static setup: another
+  # temperature, top_p, top_k of its bucket or max_new_tokens of its bucket reuses the loop.
+  setup = Setup(model, None, stop_ids(eos_id), bucket, max_len, mesh)
+  knobs = (warp, np.int32(max_new_tokens))
+  start = lambda: (_init_jit(setup, params, prompt, keys, knobs),
+                   lambda s, steps: _chunk_jit(setup, params, s, steps, knobs))
+  return run_loop(lambda: _run(setup, params, prompt, keys, knobs), start,
                   lambda: sharded.generate(loop, setup, (model,), (params,), (prompt,), keys,
-                                           max_new_tokens, warp),
+                                           knobs),
                   mesh=mesh, max_new=max_new_tokens, models=(model,), on_chunk=on_chunk,
                   chunk_blocks=chunk_blocks, check=check_finite)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _run(setup: Setup, params, prompt, keys, warp: sampling.Warp) -> SpecState:
-  return loop(setup, (params,), (prompt,), keys, warp)
+def _run(setup: Setup, params, prompt, keys, knobs) -> SpecState:
+  return loop(setup, (params,), (prompt,), keys, knobs)
 
 
-def loop(setup: Setup, params, prompts, keys, warp: sampling.Warp) -> SpecState:
+def loop(setup: Setup, params, prompts, keys, knobs) -> SpecState:
   """`_run` before jit (decoding/sharded.py jits it with explicit shardings): params = (the
-  model's,), prompts = (its prompt,). With setup.mesh the state is pinned every step."""
+  model's,), prompts = (its prompt,), knobs = (warp, limit), traced. With setup.mesh the state
+  is pinned every step."""
   (params,), (prompt,) = params, prompts
-  setup = dataclasses.replace(setup, warp=warp)
-  model, warp, eos, max_new = setup.model, setup.warp, setup.eos, setup.max_new
+  setup = with_knobs(setup, knobs)
   state = _init(setup, params, prompt, keys)
-  step = functools.partial(_step, model, warp, eos, max_new, params)
+  step = functools.partial(_step, setup, params)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
                             lambda s: sharded.pin(step(s), setup.mesh),
                             sharded.pin(state, setup.mesh))
@@ -123,21 +139,22 @@ def _init(setup: Setup, params, prompt, keys) -> SpecState:
   ones = jnp.ones((batch,), jnp.int32)
   return SpecState(
       tokens=jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(first),
-      lengths=ones, done=is_stop(first, setup.eos) | (max_new <= 1),
+      lengths=ones, done=is_stop(first, setup.eos) | (setup.limit <= 1),
       last_two=jnp.stack([stream_anchor(model, prompt), first], axis=1),
       target_cache=cache, draft_cache=None, rule_state=(), key=keys,
       stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones)
       .flag(TARGET, nonfinite_rows(logits)))
 
 
-def _step(model, warp, eos, max_new, params, s: SpecState) -> SpecState:
+def _step(setup: Setup, params, s: SpecState) -> SpecState:
+  """One token for every row that is not done; a row ends at a stop id or at setup.limit."""
   live = ~s.done                                                          # [B]
-  logits, _, cache = model.extend(params, s.last_two[:, 1:], s.target_cache)   # [B, 1, V]
-  token = warp.sample(logits[:, 0], sampling.position_keys(s.key, s.lengths))
+  logits, _, cache = setup.model.extend(params, s.last_two[:, 1:], s.target_cache)   # [B, 1, V]
+  token = setup.warp.sample(logits[:, 0], sampling.position_keys(s.key, s.lengths))
   cache = kv_cache.rollback(cache, jnp.where(live, cache.lengths, s.target_cache.lengths))
-  write_at = jnp.where(live, s.lengths, max_new)                          # max_new: dropped
+  write_at = jnp.where(live, s.lengths, setup.max_new)                    # max_new: dropped
   lengths = s.lengths + live
-  done = s.done | (live & (is_stop(token, eos) | (lengths >= max_new)))
+  done = s.done | (live & (is_stop(token, setup.eos) | (lengths >= setup.limit)))
   shifted = jnp.stack([s.last_two[:, 1], token], axis=1)
   return s.replace(
       tokens=write_rows(s.tokens, write_at, token), lengths=lengths, done=done,
@@ -147,12 +164,11 @@ def _step(model, warp, eos, max_new, params, s: SpecState) -> SpecState:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _init_jit(setup: Setup, params, prompt, keys, warp: sampling.Warp) -> SpecState:
-  return _init(dataclasses.replace(setup, warp=warp), params, prompt, keys)
+def _init_jit(setup: Setup, params, prompt, keys, knobs) -> SpecState:
+  return _init(with_knobs(setup, knobs), params, prompt, keys)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
-def _chunk_jit(setup: Setup, params, state: SpecState, steps: int,
-               warp: sampling.Warp) -> SpecState:
-  step = functools.partial(_step, setup.model, warp, setup.eos, setup.max_new, params)
+def _chunk_jit(setup: Setup, params, state: SpecState, steps: int, knobs) -> SpecState:
+  step = functools.partial(_step, with_knobs(setup, knobs), params)
   return chunk_loop(step, state, steps)

@@ -146,18 +146,17 @@ def _jitted(loop, setup, tree, signature):
 
 
 @functools.lru_cache(maxsize=64)
-def _gatherer(mesh, max_new: int, rows: int) -> Callable:
-  def cut(state) -> Generation:
-    gen = finish(state, max_new)
+def _gatherer(mesh, rows: int) -> Callable:
+  def real_rows(state) -> Generation:
+    gen = finish(state)
     return jax.tree_util.tree_map(lambda x: x[:rows], gen)
-  return jax.jit(cut, out_shardings=sharding.replicated(mesh))
+  return jax.jit(real_rows, out_shardings=sharding.replicated(mesh))
 
 
-def generate(loop: Callable, setup, models, params, prompts, keys, max_new: int,
-             *shared) -> Generation:
+def generate(loop: Callable, setup, models, params, prompts, keys, *shared) -> Generation:
   """Run `loop(setup, params, prompts, keys, *shared) -> state` on setup.mesh; models[0] is the
-  target; `shared` (the warp) is replicated. Returns the Generation of the real rows,
-  replicated."""
+  target; `shared` (the warp, the traced limit) is replicated. Returns the Generation of the
+  real rows, replicated, with the whole token buffer (state.run_loop cuts it to the limit)."""
   mesh = setup.mesh
   check_target(models[0], mesh)
   batch = keys.shape[0]
@@ -165,7 +164,7 @@ def generate(loop: Callable, setup, models, params, prompts, keys, max_new: int,
   args = place_args(models, params, pad_rows(prompts, rows), pad_rows(keys, rows), mesh)
   args += place_shared(shared, mesh)
   state = jitted(loop, setup, args)(*args)
-  return _gatherer(mesh, max_new, batch)(state)
+  return _gatherer(mesh, batch)(state)
 
 
 # ------------------------------------------------------------------ what the compiled loop runs

@@ -19,6 +19,10 @@ proposals follow the last match of the stream's suffix, with a one-hot q and a v
 
 With `mesh=` the same `loop` runs sharded (decoding/sharded.py): params by the rules table, caches
 over rows and KV heads, per-row state over rows, the state pinned to that layout every block.
+
+max_new_tokens is traced (Setup.limit): the program is compiled for its bucket
+(state.new_tokens_bucket sizes the token buffer, and the caches when max_len is not given), so
+20 and 30 share one program and give the tokens each would give alone.
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ from typing import Any, Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import sampling
 from specjax.acceptance import base, registry
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import ngram, sharded
 from specjax.decoding.state import (DRAFT, TARGET, Generation, SpecState, SpecStats,
-                                    OnChunk, Reserve, chunk_loop, is_stop, nonfinite_rows,
-                                    run_loop, stop_ids, write_rows)
+                                    OnChunk, Reserve, auto_capacity, chunk_loop, is_stop,
+                                    new_tokens_bucket, nonfinite_rows, run_loop, stop_ids,
+                                    write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
@@ -50,11 +56,12 @@ class Setup:
   draft: Any        # a draft model, or a drafter without one (ngram.NGram)
   rule: base.Rule
   gamma: int
-  max_new: int
+  max_new: int      # the token buffer: new_tokens_bucket(max_new_tokens)
   warp: sampling.Warp
   eos: tuple[int, ...]   # stop ids; (): none
   max_len: int      # cache capacity of both models
   mesh: Any = None  # a ('data', 'model') Mesh: the loop runs sharded over it (decoding/sharded.py)
+  limit: Any = None  # [] int32, traced: max_new_tokens itself (<= max_new); None in the jit key
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -93,24 +100,26 @@ def generate(target, target_params, draft, draft_params, prompt: Prompt, key: ja
   """
   setup = _validate(target, draft, prompt, draft_prompt, rule=rule, gamma=gamma,
                     max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
-  # The rule and the warp are traced arguments (`knobs`), not part of the static setup: another
-  # temperature, top_p or rule hyperparameter (Rule.traced) reuses the compiled loop.
-  knobs = (setup.rule, setup.warp)
-  setup = dataclasses.replace(setup, mesh=mesh, rule=None, warp=None)
+  # The rule, the warp and the limit are traced arguments (`knobs`), not part of the static
+  # setup: another temperature, top_p, rule hyperparameter (Rule.traced), top_k or
+  # max_new_tokens of the same bucket reuses the compiled loop.
+  knobs = (setup.rule, setup.warp, np.int32(setup.limit))
+  setup = dataclasses.replace(setup, mesh=mesh, rule=None, warp=None, limit=None)
   draft_prompt = prompt if draft_prompt is None else draft_prompt
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
   params, prompts = (target_params, draft_params), (prompt, draft_prompt)
   return run_loop(lambda: run(setup, *params, *prompts, keys, knobs),
                   lambda: _start(setup, *params, *prompts, keys, knobs),
                   lambda: sharded.generate(loop, setup, (target, draft), params, prompts, keys,
-                                           max_new_tokens, knobs),
+                                           knobs),
                   mesh=mesh, max_new=max_new_tokens, models=(target, draft), on_chunk=on_chunk,
                   debug=debug, chunk_blocks=chunk_blocks)
 
 
 def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_tokens, warp, eos_id,
               max_len) -> Setup:
-  """Host-side checks with actionable messages, before anything is traced."""
+  """Host-side checks with actionable messages, before anything is traced. The Setup holds the
+  rule, the warp and the limit (max_new_tokens) that `generate` passes traced, as `knobs`."""
   rule = registry.get(rule) if isinstance(rule, str) else rule
   if not isinstance(rule, base.Rule):
     raise TypeError(f"rule must be an acceptance Rule or a registered name "
@@ -132,14 +141,18 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
   if dprompt.tokens.shape[0] != prompt.tokens.shape[0]:
     raise ValueError(f"draft_prompt has {dprompt.tokens.shape[0]} rows, prompt has "
                      f"{prompt.tokens.shape[0]}: they must describe the same batch")
-  need = reserve(rule, gamma).need(prompting.prefix_len(target, prompt), max_new_tokens)
+  caches = [(reserve(rule, gamma), prompting.prefix_len(target, prompt))]
   if not is_lookup(draft):
-    need = max(need, reserve(rule, gamma, draft=True).need(prompting.prefix_len(draft, dprompt),
-                                                           max_new_tokens))
-  max_len = need if max_len is None else int(max_len)
-  kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma ({gamma})")
-  return Setup(target=target, draft=draft, rule=rule, gamma=gamma, max_new=max_new_tokens,
-               warp=warp, eos=stop_ids(eos_id), max_len=max_len)
+    caches.append((reserve(rule, gamma, draft=True), prompting.prefix_len(draft, dprompt)))
+  bucket = new_tokens_bucket(max_new_tokens)
+  need = max(room.need(prefix, max_new_tokens) for room, prefix in caches)
+  if max_len is None:
+    models = (target,) if is_lookup(draft) else (target, draft)
+    max_len = auto_capacity(need, max(room.need(prefix, bucket) for room, prefix in caches),
+                            models)
+  kv_cache.check_capacity(need, int(max_len), f"prompt + max_new_tokens + gamma ({gamma})")
+  return Setup(target=target, draft=draft, rule=rule, gamma=gamma, max_new=bucket,
+               warp=warp, eos=stop_ids(eos_id), max_len=int(max_len), limit=max_new_tokens)
 
 
 LOOKUP_RULES = "exact, greedy, lenient or hf_greedy_draft"
@@ -158,7 +171,9 @@ def lookup_refusal(rule) -> str:
 
 def reserve(rule: base.Rule, gamma: int, draft: bool = False) -> Reserve:
   """A block writes gamma + 1 target entries after base + g - 1 committed ones, and rows that
-  are done (g == max_new) are still computed: max_new + gamma covers every write of both models.
+  are done (g == max_new_tokens) are still computed: max_new_tokens + gamma covers every write of
+  both models (the check uses max_new_tokens itself; a cache sized without max_len holds its
+  bucket, state.auto_capacity).
   A draft with another vocabulary may need up to rule.draft_image_width draft tokens per
   committed token."""
   return Reserve(per_token=rule.draft_image_width if draft else 1, fixed=gamma,
@@ -169,14 +184,14 @@ def reserve(rule: base.Rule, gamma: int, draft: bool = False) -> Reserve:
 def run(setup: Setup, target_params, draft_params, prompt: Prompt, draft_prompt: Prompt,
         keys: jax.Array, knobs) -> SpecState:
   """The whole generation as one compiled call; returns the final SpecState (caches included).
-  knobs: (rule, warp), traced (the setup's own are ignored)."""
+  knobs: (rule, warp, limit), traced (the setup's own are ignored)."""
   return loop(setup, (target_params, draft_params), (prompt, draft_prompt), keys, knobs)
 
 
 def with_knobs(setup: Setup, knobs) -> Setup:
-  """The setup with the traced (rule, warp) of a compiled call in it."""
-  rule, warp = knobs
-  return dataclasses.replace(setup, rule=rule, warp=warp)
+  """The setup with the traced (rule, warp, limit) of a compiled call in it."""
+  rule, warp, limit = knobs
+  return dataclasses.replace(setup, rule=rule, warp=warp, limit=limit)
 
 
 def loop(setup: Setup, params, prompts, keys: jax.Array, knobs) -> SpecState:
@@ -224,7 +239,7 @@ def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):
   ones = jnp.ones((batch,), jnp.int32)
   state = SpecState(
       tokens=jnp.zeros((batch, setup.max_new), jnp.int32).at[:, 0].set(first),
-      lengths=ones, done=is_stop(first, setup.eos) | (setup.max_new <= 1),
+      lengths=ones, done=is_stop(first, setup.eos) | (setup.limit <= 1),
       last_two=jnp.stack([ar.stream_anchor(target, prompt), first], axis=1),
       target_cache=tcache, draft_cache=dcache, rule_state=setup.rule.init_state(batch), key=keys,
       stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones,
@@ -351,7 +366,7 @@ def _draft_model(setup: Setup, params, anchors: Anchors, s: SpecState, live, key
   unrolled = fixed and K <= UNROLL_MAX_GAMMA
   # Variable windows stop where nothing more could be committed: the block also emits a
   # correction or bonus token (AdaSD's K = min(K_max, N_max - len - 1), papers/adasd.md §2).
-  budget = None if fixed else setup.max_new - s.lengths - 1               # [B]
+  budget = None if fixed else setup.limit - s.lengths - 1                 # [B]
   decide = functools.partial(_decide, rule, _step_keys(keys, K, unrolled), s.rule_state, budget)
 
   def body(d: _Drafts) -> _Drafts:
@@ -434,9 +449,10 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
     row 1: lengths 3, drafts [5 2 6], n 3, next 1 -> out [5 2 6 1]; EOS at index 1 -> count 2,
       tokens[1, 3:5] = 5 2, lengths 5, done.
     row 2: lengths 6, drafts [5 5 5], n 3, next 1 -> count min(4, 8-6) = 2, lengths 8, done.
-  Writes past a row's count go to index max_new and are dropped.
+  Writes past a row's count go to index setup.max_new (the buffer's width) and are dropped;
+  max_new above is the limit, setup.limit (traced), which the buffer may exceed.
   """
-  K, max_new = setup.gamma, setup.max_new
+  K, max_new, width = setup.gamma, setup.limit, setup.max_new
   j = jnp.arange(K + 1)[None, :]                                          # [1, K+1]
   drafts = jnp.pad(d.tokens, ((0, 0), (0, 1)))                            # [B, K+1]
   out = jnp.where(j < n[:, None], drafts, jnp.where(j == n[:, None], next_token[:, None], 0))
@@ -445,7 +461,7 @@ def _commit(setup: Setup, anchors: Anchors, s: SpecState, live, d: _Drafts, n, n
   has_eos = jnp.any(is_eos, axis=1)
   count = jnp.where(has_eos, first_eos + 1, n + 1)
   count = jnp.where(live, jnp.minimum(count, max_new - s.lengths), 0).astype(jnp.int32)
-  write_at = jnp.where(j < count[:, None], s.lengths[:, None] + j, max_new)
+  write_at = jnp.where(j < count[:, None], s.lengths[:, None] + j, width)
   lengths = s.lengths + count
   done = s.done | (live & ((has_eos & (first_eos < count)) | (lengths >= max_new)))
   ext = jnp.concatenate([s.last_two, out], axis=1)                        # [B, K+3]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Optional
 
 import flax.struct
@@ -55,6 +54,35 @@ class Reserve:
   def need(self, prefix: int, max_new: int) -> int:
     """Cache positions for a prompt prefix of `prefix` positions and max_new new tokens."""
     return prefix + self.per_token * max_new + self.fixed
+
+
+MIN_NEW_BUCKET = 16    # the smallest token buffer a loop compiles
+
+
+def new_tokens_bucket(max_new: int) -> int:
+  """The token buffer a loop compiles for max_new_tokens: the next power of two, at least
+  MIN_NEW_BUCKET, so that every limit of one bucket shares a program (the real limit is a traced
+  value of the loop). Example: 5 -> 16, 20 -> 32, 30 -> 32, 33 -> 64."""
+  return max(MIN_NEW_BUCKET, 1 << (int(max_new) - 1).bit_length())
+
+
+def position_limit(model) -> int | None:
+  """The most cache positions a decoder-only model's position table allows (None: rotary or
+  relative positions, or an encoder-decoder: no bound)."""
+  if getattr(model, "is_encoder_decoder", False):
+    return None
+  return getattr(getattr(model, "config", None), "n_positions", None)
+
+
+def auto_capacity(need: int, bucket_need: int, models) -> int:
+  """The cache size of a loop called without max_len: room for a whole bucket of new tokens
+  (bucket_need), so that the limits of one bucket share the cache's shape, cut to the smallest
+  position table of `models`, and never below `need` (the positions the call itself takes: a
+  need past a position table is then refused by the model, as it was).
+  Example: need 60, bucket_need 76, tables [64] -> 64; no table -> 76."""
+  tables = [n for m in models if (n := position_limit(m)) is not None]
+  return max(need, min([bucket_need] + tables))
+
 
 @flax.struct.dataclass(kw_only=True)
 class SpecStats:
@@ -129,7 +157,7 @@ class SpecState:
   """
   tokens: jax.Array          # [B, N] int32 generated tokens (garbage-free: 0 past lengths)
   lengths: jax.Array         # [B] int32 tokens generated so far
-  done: jax.Array            # [B] bool, EOS emitted or max_new_tokens reached
+  done: jax.Array            # [B] bool, EOS emitted or max_new_tokens (the real limit) reached
   last_two: jax.Array        # [B, 2] int32 last two committed stream tokens (prompt included)
   target_cache: KVCache      # target KV cache: stream minus the pending token
   draft_cache: KVCache | None  # draft KV cache: covers at least the stream minus its last two
@@ -193,12 +221,23 @@ def write_rows(buffer: jax.Array, at: jax.Array, values: jax.Array) -> jax.Array
   return jax.vmap(lambda row, i, v: row.at[i].set(v, mode="drop"))(buffer, at, values)
 
 
-@functools.partial(jax.jit, static_argnums=1)   # eagerly, these few ops cost ~1 ms per call
-def finish(state: SpecState, max_new_tokens: int) -> Generation:
-  """Cut the token buffer to max_new_tokens and zero everything past each row's length."""
-  tokens = state.tokens[:, :max_new_tokens]
-  valid = jnp.arange(tokens.shape[1])[None, :] < state.lengths[:, None]
-  return Generation(tokens=jnp.where(valid, tokens, 0), lengths=state.lengths, stats=state.stats)
+@jax.jit   # eagerly, these few ops cost ~1 ms per call
+def finish(state: SpecState) -> Generation:
+  """The Generation of a final state: its token buffer [B, N] (N: the bucket) with everything
+  past each row's length zeroed. One program per buffer width: `cut` trims it to the limit."""
+  valid = jnp.arange(state.tokens.shape[1])[None, :] < state.lengths[:, None]
+  return Generation(tokens=jnp.where(valid, state.tokens, 0), lengths=state.lengths,
+                    stats=state.stats)
+
+
+def cut(gen: Generation, max_new: int) -> Generation:
+  """gen with tokens [B, N] trimmed to [B, max_new] (past max_new they are zeros: no row is
+  longer). Trimmed on the host and put back where they were, since a device slice would compile
+  one program per max_new; a buffer already max_new wide is returned as it is, unread."""
+  if gen.tokens.shape[1] == max_new:
+    return gen
+  tokens = np.ascontiguousarray(host_value(gen.tokens)[:, :max_new])
+  return gen.replace(tokens=jax.device_put(tokens, gen.tokens.sharding))
 
 
 # on_chunk(tokens [B, N], lengths [B]) -> rows to stop now ([B] bool) or None; numpy on the host.
@@ -241,18 +280,19 @@ def run_loop(whole: Callable[[], SpecState], start: Start, on_mesh: Callable[[],
   """The front end every jitted loop shares: on a mesh the sharded program (`on_mesh`); with
   on_chunk (streaming) or debug the chunked form driven from the host (`start`, chunks of
   chunk_blocks blocks; debug: one block per call); else the whole generation in one compiled call
-  (`whole`). Then the tokens cut to max_new and the finite check naming the model (models:
-  target, then draft); check=False leaves it to the caller (stats.nonfinite), with no host read."""
+  (`whole`). Then the tokens cut to max_new (`cut`) and the finite check naming the model
+  (models: target, then draft); check=False leaves it to the caller (stats.nonfinite), with no
+  host read of the flags."""
   verdict = (lambda gen: check_finite(gen, *models)) if check else (lambda gen: gen)
   if mesh is not None:
     if debug or on_chunk is not None:
       raise ValueError("debug=True and on_chunk step the loop from the host on one device: "
                        "leave mesh unset")
-    return verdict(on_mesh())
+    return verdict(cut(on_mesh(), max_new))
   if debug or on_chunk is not None:
     state, advance = start()
     blocks = 1 if debug else chunk_blocks
     state = drive(state, lambda s: advance(s, blocks), on_chunk)
   else:
     state = whole()
-  return verdict(finish(state, max_new))
+  return verdict(cut(finish(state), max_new))

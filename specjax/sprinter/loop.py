@@ -140,7 +140,7 @@ def generate(target, target_params, draft, draft_params, verifier, verifier_para
 
   return run_loop(lambda: run(setup, params, prompt, keys), start,
                   lambda: sharded.generate(loop, setup, (target, draft, None), params, (prompt,),
-                                           keys, max_new_tokens),
+                                           keys),
                   mesh=mesh, max_new=max_new_tokens, models=(target, draft), debug=debug)
 
 

@@ -14,16 +14,18 @@ from pathlib import Path
 import jax
 import pytest
 
-from eval import latency, quality, tradeoff
+from eval import agreement, latency, quality, tradeoff
 from specjax.app import builders, methods, resolve
 from specjax import testing
 
-TOOLS = {"eval.latency": latency, "eval.quality": quality, "eval.tradeoff": tradeoff}
+TOOLS = {"eval.latency": latency, "eval.quality": quality, "eval.tradeoff": tradeoff,
+         "eval.agreement": agreement}
 COUNTS = [("eval.latency", "--num_prompts"), ("eval.latency", "--repeats"),
           ("eval.latency", "--probe_steps"), ("eval.quality", "--num_examples"),
           ("eval.quality", "--batch_size"), ("eval.tradeoff", "--num_examples"),
           ("eval.tradeoff", "--batch_size"), ("eval.tradeoff", "--timing_prompts"),
-          ("eval.tradeoff", "--repeats")]
+          ("eval.tradeoff", "--repeats"), ("eval.agreement", "--num_texts"),
+         ("eval.agreement", "--text_tokens"), ("eval.agreement", "--num_prompts")]
 
 
 @pytest.fixture
@@ -174,3 +176,8 @@ def test_a_tradeoff_output_prefix_that_is_a_directory_is_refused(tmp_path):
     with pytest.raises(outputs.OutputPathError, match="is a directory or empty: give a prefix"):
       tradeoff.check_output(prefix)
   assert tradeoff.check_output(str(tmp_path / "fuzzy")) == str(tmp_path / "fuzzy")
+
+
+def test_agreement_without_a_variant_is_refused(no_work, capsys):
+  assert agreement.main([]) == 2
+  assert "--variant: give the variant's flags" in _error_line(capsys)

@@ -169,6 +169,15 @@ def write_problems(cwd: Path) -> None:
   (cwd / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
 
 
+def check_agreement(done: Done) -> None:
+  report = done.json("agreement.json")
+  assert report["variant"] == ["--config.target.quant=int8"]
+  assert len(report["greedy"]["prompts"]) == 1 and 0 <= report["greedy"]["common_prefix_share"] <= 1
+  forced = report["teacher_forced"]
+  assert forced["positions"] == 64 and forced["kl_mean"] >= 0, forced
+  assert 0 <= forced["argmax_agreement"] <= 1
+
+
 def check_latency(done: Done) -> None:
   (record,) = done.json("latency.json")
   for key in ("ar_ms_per_token", "sd_ms_per_token", "speedup", "decode_speedup",
@@ -321,6 +330,10 @@ COMMANDS: dict[str, Run | Skip] = {
     "python -m eval.latency --config tiny.py [--gamma 1,3,5,7] [--output_json F]": Run(
         check_latency, (*TINY, "--num_prompts", "1", "--repeats", "1", "--probe_steps", "2",
                         "--output_json", "latency.json"), cost=14),
+    "python -m eval.agreement --config tiny.py --variant=--config.target.quant=int8 "
+    "[--output_json F]": Run(check_agreement, (*TINY, "--num_prompts", "1", "--num_texts", "2",
+                                               "--text_tokens", "32", "--output_json",
+                                               "agreement.json"), cost=10),
     "python -m eval.quality --config tiny.py [--output_json F]": Run(
         check_quality, (*TINY, "--num_examples", "2", "--batch_size", "2",
                         "--output_json", "quality.json"), cost=10),

@@ -1,0 +1,114 @@
+"""How far a variant of the target (int8 weights, bfloat16, another layout) is from the target:
+greedy continuations side by side, and the next-token KL on held-out text.
+
+    python -m eval.agreement --config qwen_coder.py --variant=--config.target.quant=int8
+    python -m eval.agreement --config tiny.py --variant=--config.target.quant=int8 \\
+        --num_texts 4 --text_tokens 64 --output_json agreement.json
+
+The base is the config's target decoding alone; the variant is the same with the --variant flags
+(repeatable) added. Greedy: the config's prompts (or --num_prompts of its evaluation data) decoded
+by both with decode.max_new_tokens; per prompt, the tokens both produce before they first differ.
+KL: --num_texts chunks of the stdlib corpus's test split, --text_tokens tokens each under the
+target's tokenizer, read teacher-forced by both models; KL(base || variant) of the next-token
+distributions, mean over positions, and how often the two argmaxes agree.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from eval import flags
+from specjax.app import cli, methods, outputs, runner
+from specjax.app.config import input_paths, load_config
+from specjax.data import stdlib_corpus
+
+
+def parse_args(argv):
+  p = cli.parser("python -m eval.agreement", __doc__)
+  p.add_argument("--config", default="tiny.py")
+  p.add_argument("--variant", action="append", default=[],
+                 help="a --config.* flag of the variant (repeatable)")
+  p.add_argument("--num_prompts", type=int, default=3)
+  p.add_argument("--num_texts", type=int, default=8)
+  p.add_argument("--text_tokens", type=int, default=256)
+  p.add_argument("--output_json")
+  return cli.parse(p, argv)
+
+
+def greedy(base, variant, prompts: list[str]) -> dict:
+  """Per prompt: tokens of each, and the common prefix; totals."""
+  key = jax.random.PRNGKey(0)
+  rows = []
+  for a, b in zip(runner.generate_texts(base, prompts, key, 1),
+                  runner.generate_texts(variant, prompts, key, 1)):
+    same = next((i for i, (x, y) in enumerate(zip(a[1], b[1])) if x != y),
+                min(len(a[1]), len(b[1])))
+    rows.append({"prompt": a[0], "tokens": len(a[1]), "common_prefix": same,
+                 "identical": a[1] == b[1]})
+  return {"prompts": rows, "identical": sum(r["identical"] for r in rows),
+          "common_prefix_share": sum(r["common_prefix"] for r in rows)
+          / max(sum(r["tokens"] for r in rows), 1)}
+
+
+@jax.jit
+def _kl(base_logits, variant_logits):
+  """[T, V] logits each -> (KL(base || variant) [T], argmax agreement [T])."""
+  logp, logq = jax.nn.log_softmax(base_logits), jax.nn.log_softmax(variant_logits)
+  kl = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+  return kl, jnp.argmax(logp, -1) == jnp.argmax(logq, -1)
+
+
+def teacher_forced(base, variant, num_texts: int, length: int) -> dict:
+  """Mean next-token KL and argmax agreement over held-out stdlib chunks."""
+  tok = base.target.tokenizer
+  texts = [ids[:length] for ids in (tok.encode(t) for t in stdlib_corpus.load_corpus()
+                                    .lm_split("test")) if len(ids) >= length][:num_texts]
+  kls, agree = [], []
+  for ids in texts:
+    tokens = jnp.asarray([ids], jnp.int32)
+    logits = [m.target.model.extend_entries(m.target.params, tokens,
+                                            m.target.model.init_cache(1, length))[0][0]
+              for m in (base, variant)]
+    kl, same = _kl(*logits)
+    kls += [float(x) for x in kl]
+    agree += [bool(x) for x in same]
+  return {"texts": len(texts), "positions": len(kls), "kl_mean": statistics.fmean(kls),
+          "kl_median": statistics.median(kls), "argmax_agreement": sum(agree) / len(agree)}
+
+
+def main(argv=None) -> int:
+  args, overrides = parse_args(argv)
+
+  def go():
+    flags.check_counts(num_prompts=args.num_prompts, num_texts=args.num_texts,
+                       text_tokens=args.text_tokens)
+    if not args.variant:
+      raise ValueError("--variant: give the variant's flags, e.g. "
+                       "--variant=--config.target.quant=int8")
+    output = flags.output_file(args.output_json, "--output_json")
+    cli.setup()
+    config = load_config(args.config, overrides)
+    variant_config = load_config(args.config, [*overrides, *args.variant])
+    outputs.check_not_input(output, input_paths(args.config, config), "--output_json")
+    base = methods.autoregressive(config).with_settings(temperature=0.0)
+    variant = methods.autoregressive(variant_config).with_settings(temperature=0.0)
+    prompts = runner.eval_prompts(config, args.num_prompts)
+    report = {"variant": args.variant, "greedy": greedy(base, variant, prompts),
+              "teacher_forced": teacher_forced(base, variant, args.num_texts, args.text_tokens)}
+    g, t = report["greedy"], report["teacher_forced"]
+    print(f"greedy: {g['identical']} of {len(g['prompts'])} continuations identical, common "
+          f"prefix {g['common_prefix_share']:.3f} of the tokens; teacher-forced over "
+          f"{t['positions']} positions: KL mean {t['kl_mean']:.4f} (median {t['kl_median']:.4f}), "
+          f"argmax agreement {t['argmax_agreement']:.3f}")
+    if output:
+      outputs.write_json(output, report)
+
+  return cli.run("eval.agreement", go)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -223,3 +223,18 @@ class ResampleFromP(exact.Exact):
     n, nxt = base.rejection_verify(draft_tokens, draft_len, q_logp, p_logp, keys,
                                    lambda log_p: log_p, residual=False)
     return n, nxt, rule_state
+
+
+def assert_greedy_sd_is_greedy(target, target_params, draft, draft_params, *, gamma: int = 3,
+                               max_new_tokens: int = 12) -> None:
+  """Greedy speculative decoding of two prompts ([1, 2, 3] and [4]) equals the target's own
+  greedy decoding, token for token (AssertionError otherwise)."""
+  from specjax.decoding import autoregressive, speculative
+  from specjax.sampling import Warp
+  prompt, key, greedy = Prompt.from_lists([[1, 2, 3], [4]]), jax.random.PRNGKey(0), Warp(0.0)
+  alone = autoregressive.generate(target, target_params, prompt, key,
+                                  max_new_tokens=max_new_tokens, warp=greedy, eos_id=None)
+  sd = speculative.generate(target, target_params, draft, draft_params, prompt, key,
+                            rule="greedy", gamma=gamma, max_new_tokens=max_new_tokens,
+                            warp=greedy, eos_id=None)
+  np.testing.assert_array_equal(sd.tokens, alone.tokens)

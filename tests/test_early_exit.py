@@ -11,10 +11,7 @@ from specjax import testing
 from specjax.api.loading import LoadedModel
 from specjax.app.config import ConfigError, load_config
 from specjax.app.methods import speculative
-from specjax.decoding import autoregressive
-from specjax.decoding import speculative as loop
-from specjax.models import Prompt, layers
-from specjax.sampling import Warp
+from specjax.models import layers
 
 
 def _target(scan: bool) -> LoadedModel:
@@ -33,12 +30,7 @@ def test_the_draft_is_the_targets_first_layers(scan):
   whole = layers.unstack(target.params)
   assert sorted(k for k in kept if k.startswith("layers_")) == ["layers_0", "layers_1"]
   jax.tree.map(np.testing.assert_array_equal, kept["layers_1"], whole["layers_1"])
-  prompt, key, greedy = Prompt.from_lists([[1, 2, 3], [4]]), jax.random.PRNGKey(0), Warp(0.0)
-  ar = autoregressive.generate(target.model, target.params, prompt, key, max_new_tokens=12,
-                               warp=greedy, eos_id=None)
-  sd = loop.generate(target.model, target.params, draft.model, draft.params, prompt, key,
-                     rule="greedy", gamma=3, max_new_tokens=12, warp=greedy, eos_id=None)
-  np.testing.assert_array_equal(sd.tokens, ar.tokens)
+  testing.assert_greedy_sd_is_greedy(target.model, target.params, draft.model, draft.params)
 
 
 @pytest.mark.parametrize("exit_layer", [0, 4, 2.0, True])

@@ -13,7 +13,6 @@ import pytest
 
 from specjax import testing
 from specjax.acceptance import registry
-from specjax.decoding import autoregressive
 from specjax.decoding import speculative as loop
 from specjax.models import Prompt, layers, quant
 from specjax.sampling import Warp
@@ -59,12 +58,7 @@ def test_a_quantized_decoder_tracks_its_float_twin(scan):
 def test_greedy_sd_equals_the_quantized_target_alone():
   target, tparams = _quantized(*testing.tiny_decoder(seed=2, vocab_size=16))
   draft, dparams = _quantized(*testing.tiny_decoder(seed=3, vocab_size=16))
-  prompt, key, greedy = Prompt.from_lists([[1, 2, 3], [4]]), jax.random.PRNGKey(0), Warp(0.0)
-  ar = autoregressive.generate(target, tparams, prompt, key, max_new_tokens=12, warp=greedy,
-                               eos_id=None)
-  sd = loop.generate(target, tparams, draft, dparams, prompt, key, rule="greedy", gamma=3,
-                     max_new_tokens=12, warp=greedy, eos_id=None)
-  np.testing.assert_array_equal(sd.tokens, ar.tokens)
+  testing.assert_greedy_sd_is_greedy(target, tparams, draft, dparams)
 
 
 # The law of a quantized target over V=4 ids and 3 new tokens, enumerated from its own logits.

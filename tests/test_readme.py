@@ -172,7 +172,8 @@ def write_problems(cwd: Path) -> None:
 def check_agreement(done: Done) -> None:
   report = done.json("agreement.json")
   assert report["variant"] == ["--config.target.quant=int8"]
-  assert len(report["greedy"]["prompts"]) == 1 and 0 <= report["greedy"]["common_prefix_share"] <= 1
+  greedy = report["greedy"]
+  assert len(greedy["prompts"]) == 1 and 0 <= greedy["common_prefix_share"] <= 1
   forced = report["teacher_forced"]
   assert forced["positions"] == 64 and forced["kl_mean"] >= 0, forced
   assert 0 <= forced["argmax_agreement"] <= 1

@@ -19,7 +19,6 @@ from specjax.api.loading import LoadedModel
 from specjax.app.config import ConfigError, load_config
 from specjax.app.methods import speculative
 from specjax.data import token_counts
-from specjax.decoding import autoregressive
 from specjax.decoding import speculative as loop
 from specjax.models import Prompt
 from specjax.models.sub_vocab import SubVocab
@@ -55,12 +54,7 @@ def test_stop_ids_are_always_kept():
 def test_greedy_sd_with_the_cut_draft_is_the_targets_greedy_decoding():
   target = _draft(seed=2)
   draft = specjax.sub_vocab(_draft(seed=3), 6, counts=np.random.RandomState(0).randint(0, 9, 16))
-  prompt, key, greedy = Prompt.from_lists([[1, 2, 3], [4]]), jax.random.PRNGKey(0), Warp(0.0)
-  ar = autoregressive.generate(target.model, target.params, prompt, key, max_new_tokens=12,
-                               warp=greedy, eos_id=None)
-  sd = loop.generate(target.model, target.params, draft.model, draft.params, prompt, key,
-                     rule="greedy", gamma=3, max_new_tokens=12, warp=greedy, eos_id=None)
-  np.testing.assert_array_equal(sd.tokens, ar.tokens)
+  testing.assert_greedy_sd_is_greedy(target.model, target.params, draft.model, draft.params)
 
 
 # The law test: a ToyAR target over 4 ids, a tiny GPT-2 draft whose head keeps ids {0, 1} only.

@@ -225,10 +225,7 @@ class _Transformer(nn.Module):
     if select is not None:
       hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
     if cfg.quant == "int8":
-      rows = cfg.vocab_size if cfg.head_subset is None else cfg.head_subset.size
-      logits = quant.Int8Dense(rows, use_bias=False, name="lm_head")(hidden)   # [..., V or K]
-      if cfg.head_subset is not None:
-        logits = cfg.head_subset.expand(logits)                                 # [..., V]
+      logits = quant.int8_logits(hidden, cfg.vocab_size, cfg.head_subset)       # [..., V]
     elif cfg.head_subset is not None:
       head = _Table("kernel", (cfg.d_model, cfg.head_subset.size), 0.02, cfg.dtype,
                     name="lm_head")()                                          # [D, K]

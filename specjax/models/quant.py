@@ -54,6 +54,14 @@ def dense(features: int, *, quant: str, dtype, precision, name: str, use_bias: b
                   precision=precision, kernel_init=kernel_init, name=name)
 
 
+def int8_logits(hidden: jax.Array, vocab_size: int, subset=None) -> jax.Array:
+  """Inside a model's compact __call__: the int8 output layer `lm_head` (kernel [D, V], or
+  [D, K] over a models/sub_vocab.SubVocab `subset`) -> float32 logits [..., V]."""
+  rows = vocab_size if subset is None else subset.size
+  logits = Int8Dense(rows, use_bias=False, name="lm_head")(hidden)
+  return logits if subset is None else subset.expand(logits)
+
+
 def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
   """x [..., K] (float) times kernel [K, N] int8 with scale [N] -> float32 [..., N]: each row of
   x quantized with its own absmax scale, the product accumulated in int32."""

@@ -1,6 +1,7 @@
 """What a verify pass costs on this backend, one matrix multiply at a time: [M, K] x weights for
-M = 1 (a decoding step) and M = 2..8 (a verify pass over gamma + 1 positions), in float32 and
-bfloat16, with the weights stored [K, N] (specjax's kernels) or [N, K] (PyTorch's layout).
+M = 1 (a decoding step) and M = 2..8 (a verify pass over gamma + 1 positions), in float32,
+bfloat16 and int8 (models/quant.py's W8A8 product, [K, N] only), with the weights stored [K, N]
+(specjax's kernels) or [N, K] (PyTorch's layout).
 
     python -m eval.matmul                                  # Qwen2.5-1.5B's MLP matrix, 1536 x 8960
     python -m eval.matmul --k 896 --n 4864 --rows 1,2,5 --output_json matmul.json
@@ -23,6 +24,7 @@ import numpy as np
 
 from eval import flags
 from specjax.app import cli, outputs
+from specjax.models import quant
 
 LAYOUTS = {"KN": (((1,), (0,)), ((), ())), "NK": (((1,), (1,)), ((), ()))}
 
@@ -54,12 +56,12 @@ def measure(k: int, n: int, rows: list[int], dtypes: list[str], repeats: int) ->
   records = []
   for dtype in dtypes:
     for layout, dims in LAYOUTS.items():
-      w = jnp.asarray(weights if layout == "KN" else weights.T, dtype)
-      fn = jax.jit(lambda x, w, dims=dims: jax.lax.dot_general(
-          x, w, dims, preferred_element_type=jnp.float32))
+      if dtype == "int8" and layout == "NK":
+        continue                  # models/quant.py stores int8 kernels [K, N] only
+      fn, w, args = _product(dtype, weights if layout == "KN" else weights.T, dims)
       for m in rows:
-        x = jnp.ones((m, k), dtype)
-        ms = 1e3 * time_call(fn, x, w, repeats=repeats)
+        x = jnp.ones((m, k), jnp.float32 if dtype == "int8" else dtype)
+        ms = 1e3 * time_call(fn, x, *args, repeats=repeats)
         records.append(dict(dtype=dtype, layout=layout, rows=m, k=k, n=n, ms=ms,
                             weight_gb_per_s=w.nbytes / ms / 1e6,
                             gflop_per_s=2 * m * k * n / ms / 1e6))
@@ -69,6 +71,17 @@ def measure(k: int, n: int, rows: list[int], dtypes: list[str], repeats: int) ->
                if (o["dtype"], o["layout"], o["rows"]) == (r["dtype"], r["layout"], 1))
     r.update(ratio=r["ms"] / one, vs_best_1=r["ms"] / best_1)
   return records
+
+
+def _product(dtype: str, weights: np.ndarray, dims):
+  """(jitted fn(x, *args), the weights as stored, args): a float product of `dtype`, or int8
+  weights with activations quantized per row (models/quant.int8_matmul: W8A8)."""
+  if dtype == "int8":
+    kernel, scale = quant.quantize_kernel(jnp.asarray(weights))
+    return jax.jit(quant.int8_matmul), kernel, (kernel, scale)
+  w = jnp.asarray(weights, dtype)
+  return jax.jit(lambda x, w: jax.lax.dot_general(x, w, dims,
+                                                  preferred_element_type=jnp.float32)), w, (w,)
 
 
 def table(records: list[dict]) -> str:
@@ -92,9 +105,9 @@ def main(argv=None) -> int:
     output = flags.output_file(args.output_json, "--output_json")
     cli.setup()
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    unknown = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    unknown = [d for d in dtypes if d not in ("float32", "bfloat16", "float16", "int8")]
     if unknown or not dtypes:
-      raise ValueError(f"--dtypes: use float32, bfloat16 or float16 (got {args.dtypes!r})")
+      raise ValueError(f"--dtypes: use float32, bfloat16, float16 or int8 (got {args.dtypes!r})")
     records = measure(args.k, args.n, rows, dtypes, args.repeats)
     print(table(records), flush=True)
     if output:

@@ -164,6 +164,13 @@ def test_matmul_tool_measures_every_case_and_refuses_bad_flags(tmp_path, capsys)
   assert all(r["ratio"] == 1.0 for r in records if r["rows"] == 1)
   assert min(r["vs_best_1"] for r in records) == 1.0 and all(r["ms"] > 0 for r in records)
   assert "| float32 | NK | 3 |" in capsys.readouterr().out
+  assert matmul.main(["--k", "16", "--n", "24", "--rows", "2", "--dtypes", "int8",
+                      "--repeats", "2", "--output_json", str(out)]) == 0
+  records = json.loads(out.read_text())["records"]
+  assert [(r["dtype"], r["layout"], r["rows"]) for r in records] == [("int8", "KN", 1),
+                                                                     ("int8", "KN", 2)]
+  assert records[0]["weight_gb_per_s"] > 0
+  capsys.readouterr()
   assert matmul.main(["--rows", "2,x"]) == 2
   assert "--rows must be comma-separated" in _error_line(capsys)
   assert matmul.main(["--dtypes", "int4"]) == 2

@@ -161,6 +161,7 @@ def test_trace_of_a_backend_without_a_device_plane_is_none():
   assert trace.profile(lambda: jax.numpy.ones(3) + 1, steps=1) is None
 
 
+@pytest.mark.slow        # 80 s of the default run's 15 minutes; run with -m slow
 def test_gpu_check_script_runs_the_bench_on_cpu(tmp_path):
   """tools/gpu_check.sh's flow (the README's accelerator command) on this CPU: ALLOW_CPU, no
   suite, one small shape: the batch-1 case, the layout x precision cases, then batch 8."""

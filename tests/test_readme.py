@@ -367,8 +367,8 @@ COMMANDS: dict[str, Run | Skip] = {
         optional=("--scale", "--profile"), pair=False, cost=12),
     "bash tools/gpu_check.sh runs/gpu_check": Skip(
         "an accelerator's check: the suite and eval.bench at full size on the GPU",
-        "tests/test_bench.py::test_gpu_check_script_runs_the_bench_on_cpu (the script's flow "
-        "on this CPU, one small shape)"),
+        "tests/test_bench.py::test_gpu_check_script_runs_the_bench_on_cpu (-m slow: the "
+        "script's flow on this CPU, one small shape)"),
     "python -m train.pretrain --config distill_tiny.py --workdir runs/tiny_target": Run(
         check_metrics("runs/tiny_target", 4), TRAIN, pair=False, cost=9),
     "python -m train.distill --config distill_tiny.py --workdir runs/tiny_distill "

@@ -2,8 +2,8 @@
 
 The Python API (specjax.api, docs/api.md): `load`, `generate`, `SpeculativeDecoder`, `Result`,
 `LoadedModel`, `NGram` (prompt lookup), `early_exit` (the target's first layers as its draft),
-`sub_vocab` (a draft head over its K most frequent tokens), `UsageError`, imported on first use so that `import specjax.models...` stays
-light.
+`sub_vocab` (a draft head over its K most frequent tokens), `UsageError`, imported on first use
+so that `import specjax.models...` stays light.
 """
 
 __version__ = "0.1.0"

@@ -163,7 +163,8 @@ class ModelSpec:
 
 ARCHS = {"decoder": (decoder.DecoderConfig, decoder.Decoder), "t5": (t5.T5Config, t5.T5)}
 _SPEC_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} - {"role", "fields"}
-DRAFTER_KEYS = ("method", "ngram_max", "ngram_min", "exit_layer", "vocab_top_k")   # the draft section's drafter (app/methods)
+# the draft section's drafter (app/methods)
+DRAFTER_KEYS = ("method", "ngram_max", "ngram_min", "exit_layer", "vocab_top_k")
 
 
 def model_spec(config, role: str) -> ModelSpec:

@@ -96,7 +96,8 @@ class SpeculativeDecoder:
     top_p 1 are off. max_new_tokens and top_k compile per power-of-two bucket (20 and 30 share
     a program, as do top_k 3 and 4); temperature and top_p never recompile. seed: prompt i
     draws with fold_in(PRNGKey(seed), i). batch_size: prompts decoded together (None: up to
-    8). chat: wrap each text as one user turn in the target's chat template. stop: strings that end a row (the text is cut before the first).
+    8). chat: wrap each text as one user turn in the target's chat template. stop: strings
+    that end a row (the text is cut before the first).
     stream(i, text): called with prompt i's new text as it is committed (methods with a loop of
     their own: once, when the row is done). truncate: "" refuses a prompt the cache cannot
     hold, "left" keeps its last tokens."""

@@ -203,10 +203,12 @@ def _count(params) -> int:
 
 
 def case_key(name: str, batch: int, scale: int, run: Run) -> str:
-  """What makes two records comparable: shape, batch, scale, precision, layout, device."""
+  """What makes two records comparable: shape, batch, scale, precision, layout, device and the
+  XLA flags the process started with (e.g. command buffers)."""
   layout = "scan" if layouts.scan_layers(run.layers) else "unrolled"
+  flags_text = " ".join(os.environ.get("XLA_FLAGS", "").split())
   return (f"{name}/b{batch}/scale{scale}/{run.precision or 'highest'}/{layout}/"
-          f"{jax.devices()[0].device_kind}")
+          f"{jax.devices()[0].device_kind}" + (f"/{flags_text}" if flags_text else ""))
 
 
 def order(names: list[str], batches: list[int]) -> list[tuple[str, int]]:
@@ -222,7 +224,7 @@ COLUMNS = ("shape", "batch", "precision", "layers", "target_params", "draft_para
            "ar_ms_per_step", "floor_ms",
            "roofline_pct", "gamma", "tau", "cost_ratio", "verify_cost_ratio", "ms_per_token",
            "speedup", "predicted_speedup", "ar_compile_s", "compile_s", "warm_s",
-           "peak_memory_gb")
+           "peak_memory_gb", "xla_flags")
 
 
 def table(records: list[dict]) -> str:
@@ -252,7 +254,8 @@ def environment() -> dict:
         timeout=10).stdout.strip() or None
   d = jax.devices()[0]
   return dict(device=d.device_kind, platform=d.platform, devices=jax.device_count(),
-              jax=jax.__version__, commit=commit)
+              jax=jax.__version__, commit=commit,
+              xla_flags=" ".join(os.environ.get("XLA_FLAGS", "").split()) or None)
 
 
 def load_done(path: pathlib.Path | None) -> list[dict]:

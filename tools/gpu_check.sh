@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The accelerator check, in one command: the whole test suite, then eval.bench at real shapes
-# (batch 1 with a profile, the layout x precision comparison, then batch 8 and 32), each within
-# a time budget, everything written under OUT_DIR.
+# The accelerator check, in one command: eval.bench at real shapes (the 1.5B target with its
+# 90M draft in the candidate fast setting, profiled, against the defaults and against CUDA-graph
+# command buffers for the loop; then the other shapes; then batch 8 and 32), then the whole test
+# suite, each within a time budget, everything written under OUT_DIR.
 #
 #   bash tools/gpu_check.sh [OUT_DIR]          # default runs/gpu_check
-#   SUITE_S=330 BENCH_S=300 WORKERS=14 bash tools/gpu_check.sh /tmp/out
-#   SUITE_S=0 SHAPES=qwen-coder-1.5b bash tools/gpu_check.sh      # the bench alone, one shape
+#   BENCH_S=290 SUITE_S=250 WORKERS=15 bash tools/gpu_check.sh /tmp/out
+#   SUITE_S=0 SHAPES=qwen-coder-1.5b bash tools/gpu_check.sh      # the bench alone
 #   ALLOW_CPU=1 SUITE_S=0 BENCH_ARGS="--scale 16 --new_tokens 8" bash tools/gpu_check.sh  # its test
 #
 # Installs the GPU extra first when jax sees no accelerator (pip install -e ".[gpu,test]"), or
@@ -37,35 +38,45 @@ print(f"== {d.device_kind} ({d.platform}) x{jax.device_count()}, jax {jax.__vers
       f"jaxlib {jaxlib.__version__}, commit {os.environ.get('SPECJAX_COMMIT') or 'unknown'}")
 EOF
 
-if [ "${SUITE_S:-330}" -gt 0 ]; then
-  echo "== the test suite (budget ${SUITE_S:-330} s)"
+shapes=${SHAPES:-qwen-coder-1.5b-90m,qwen2.5-7b,qwen-coder-1.5b,llama-3.1-8b,t5-xl}
+first=${shapes%%,*}
+rest=${shapes#"$first"}; rest=${rest#,}
+start=$(date +%s)
+left() { echo $(( ${BENCH_S:-290} - ($(date +%s) - start) )); }
+bench() {
+  local budget; budget=$(left)
+  [ "$budget" -gt 20 ] || { echo "== no bench time left for: $*"; return; }
+  echo "== ${XLA_FLAGS:-} eval.bench $* ($budget s left)"
+  # shellcheck disable=SC2086
+  timeout "$budget" python3 -m eval.bench --output_json "$out/bench.json" \
+    --output_md "$out/bench.md" --alpha "${ALPHA:-0.9}" "$@" ${BENCH_ARGS:-} 2>&1 \
+    | grep -v '^| ---' | grep -E '^\||profile|rror'
+}
+# bfloat16 weights gain nothing from precision `highest` (their products are exact in float32
+# either way) but it makes XLA:GPU emit the matrix-vector products as slow reductions; with
+# `default`, a scanned stack's layers are copied out before each GEMM, so the candidate is
+# unrolled + default. The defaults (scan, highest) in the same call are the before.
+fast=(--batches 1 --layers unrolled --precision default)
+bench --shapes "$first" "${fast[@]}" --gammas 5,7 --profile
+bench --shapes "$first" --batches 1 --layers scan --gammas 5,7
+# The loop as CUDA graphs: XLA's command buffers with the while loop and conditionals in them
+# (no host round trip per iteration); a separate process, as XLA_FLAGS are read at start-up.
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+  bench --shapes "$first" "${fast[@]}" --gammas 5,7
+[ -z "$rest" ] || bench --shapes "$rest" "${fast[@]}" --gammas 3,5
+bench --shapes "$shapes" --batches 8,32 --layers unrolled --precision default --gammas 3
+
+if [ "${SUITE_S:-250}" -gt 0 ]; then
+  echo "== the test suite (budget ${SUITE_S:-250} s)"
   : > "$out/failures.txt"
   # The pytest workers share the one GPU: each allocates as it needs rather than 75% up front.
+  # Autotuning only picks among equivalent kernels: off, the suite compiles faster.
   SPECJAX_FAILURES="$out/failures.txt" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    timeout "${SUITE_S:-330}" python3 -m pytest -q -n "${WORKERS:-14}" -p no:cacheprovider \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+    timeout "${SUITE_S:-250}" python3 -m pytest -q -n "${WORKERS:-15}" -p no:cacheprovider \
     >"$out/suite.log" 2>&1
   echo "== suite exit status $? (124: cut at its budget)"
   tail -n 3 "$out/suite.log"
   grep '^=== ' "$out/failures.txt" | sort -u
 fi
-
-shapes=${SHAPES:-qwen-coder-1.5b,qwen-coder-1.5b-90m,qwen2.5-7b,llama-3.1-8b,t5-xl}
-first=${shapes%%,*}
-start=$(date +%s)
-left() { echo $(( ${BENCH_S:-300} - ($(date +%s) - start) )); }
-bench() {
-  local budget; budget=$(left)
-  [ "$budget" -gt 20 ] || { echo "== no bench time left for: $*"; return; }
-  echo "== eval.bench $* ($budget s left)"
-  # shellcheck disable=SC2086
-  timeout "$budget" python3 -m eval.bench --output_json "$out/bench.json" \
-    --output_md "$out/bench.md" "$@" ${BENCH_ARGS:-} 2>&1 | grep -v '^| ---' | grep -E '^\||profile|error'
-}
-bench --shapes "$shapes" --batches 1 --profile
-# Where a step's time goes depends on the layout (a scanned stack's layer is sliced out of it)
-# and on the matmul precision: the first shape in the four combinations.
-bench --shapes "$first" --batches 1 --gammas 5 --layers unrolled --profile
-bench --shapes "$first" --batches 1 --gammas 5 --layers unrolled --precision default
-bench --shapes "$first" --batches 1 --gammas 5 --layers scan --precision default
-bench --shapes "$shapes" --batches 8,32
 echo "== done: $out"

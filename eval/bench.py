@@ -55,7 +55,7 @@ from specjax.acceptance import base
 from specjax.api import results
 from specjax.app import cli, outputs
 from specjax.decoding import autoregressive, speculative
-from specjax.models import prompting
+from specjax.models import hf_import, prompting
 from specjax.models import layers as layouts
 from specjax.models.prompting import Prompt
 from specjax.sampling import Warp
@@ -207,7 +207,8 @@ def case_key(name: str, batch: int, scale: int, run: Run) -> str:
   XLA flags the process started with (e.g. command buffers)."""
   layout = "scan" if layouts.scan_layers(run.layers) else "unrolled"
   flags_text = " ".join(os.environ.get("XLA_FLAGS", "").split())
-  return (f"{name}/b{batch}/scale{scale}/{run.precision or 'highest'}/{layout}/"
+  precision = run.precision or hf_import.default_precision("bfloat16")     # shapes.build's dtype
+  return (f"{name}/b{batch}/scale{scale}/{precision}/{layout}/"
           f"{jax.devices()[0].device_kind}" + (f"/{flags_text}" if flags_text else ""))
 
 
@@ -289,9 +290,10 @@ def parse_args(argv):
   p.add_argument("--profile", action="store_true",
                  help="profile the first case measured: device kernels per step, busy share")
   p.add_argument("--precision", choices=("highest", "high", "default"),
-                 help="matmul precision of both models (default: theirs, highest)")
+                 help="matmul precision of both models (default: by dtype, `default` for the "
+                      "bfloat16 weights here: hf_import.default_precision)")
   p.add_argument("--layers", choices=layouts.LAYOUTS, default="auto",
-                 help="layer layout of both models (auto: unrolled on CPU, scanned elsewhere)")
+                 help="layer layout of both models (auto: scanned on TPU, unrolled elsewhere)")
   p.add_argument("--peak", default="", help="'TBps,TFLOPs' of the device (default: datasheets)")
   p.add_argument("--output_json", default="bench.json")
   p.add_argument("--output_md")

@@ -80,7 +80,7 @@ def build(cfg: dict, directory: pathlib.Path, seed: int, precision: str | None =
           layers: str = "auto", dtype: str = "bfloat16"):
   """(model, random params) of a config.json written to `directory`, built as a checkpoint of it
   would be (hf_import; layers: the layer layout, "auto" the backend's default; precision None:
-  the model's default)."""
+  hf_import.default_precision(dtype), "default" for bfloat16)."""
   directory.mkdir(parents=True, exist_ok=True)
   (directory / "config.json").write_text(json.dumps(cfg))
   model = hf_import.model_from_dir(directory, dtype, precision,

@@ -17,6 +17,13 @@ from specjax.models import Prompt
 from specjax.models import kv_cache
 
 
+# How far apart the same float32 model's values may be in its scanned and unrolled layouts: XLA
+# fuses a scan body and straight-line layers into different reductions (one ulp on CPU; up to
+# ~2e-6 on an H200).
+def layout_ulp() -> float:
+  return 1e-6 if jax.default_backend() == "cpu" else 1e-5
+
+
 @dataclasses.dataclass(frozen=True)
 class ToyAR:
   """Next-token logits = params["table"][min(pos, P-1), token at pos]: a position-dependent bigram.

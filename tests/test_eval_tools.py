@@ -162,7 +162,9 @@ def test_matmul_tool_measures_every_case_and_refuses_bad_flags(tmp_path, capsys)
   assert [(r["layout"], r["rows"]) for r in records] == [("KN", 1), ("KN", 3), ("NK", 1),
                                                          ("NK", 3)]     # M = 1 always added
   assert all(r["ratio"] == 1.0 for r in records if r["rows"] == 1)
-  assert min(r["vs_best_1"] for r in records) == 1.0 and all(r["ms"] > 0 for r in records)
+  # over the fastest one-row time: 1 for that row (a wider product may time faster on a GPU)
+  assert min(r["vs_best_1"] for r in records if r["rows"] == 1) == 1.0
+  assert all(r["ms"] > 0 for r in records)
   assert "| float32 | NK | 3 |" in capsys.readouterr().out
   assert matmul.main(["--k", "16", "--n", "24", "--rows", "2", "--dtypes", "int8",
                       "--repeats", "2", "--output_json", str(out)]) == 0

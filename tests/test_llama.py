@@ -156,10 +156,7 @@ def test_extend_block_equals_single_steps(each_layout):
     np.testing.assert_allclose(step_cache.k[:, b, :, :n], block_cache.k[:, b, :, :n], atol=1e-5)
   testing.check_extend_variants(model, params, toks, cache, np.array([2, 0, 1]))
 
-
-# float32 values a few ulps apart: XLA fuses a scan body and straight-line layers into different
-# reductions (on CPU one ulp; XLA:GPU's fusions differ more, up to ~2e-6 on an H200).
-ULP = 1e-6 if jax.default_backend() == "cpu" else 1e-5
+ULP = testing.layout_ulp()
 
 
 @_on("llama3_rope_bias_untied", "qwen3_qk_norm")

@@ -1,11 +1,14 @@
-"""Matmul precision: every dot of the models carries the config's `precision` ("highest" by
-default, so float32 stays float32 on TF32 GPUs), and it is a specjax setting that config.json
-does not carry."""
+"""Matmul precision: every dot of the models carries the config's `precision` ("highest" for
+float32 weights, so float32 stays float32 on TF32 GPUs; "default" for bfloat16 ones, whose
+products are exact either way), and it is a specjax setting that config.json does not carry."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -65,3 +68,29 @@ def test_precision_is_checked_and_not_written_to_config_json(tmp_path):
   loaded, loaded_params = hf_import.load_model(str(tmp_path), precision="default")
   assert loaded == fast
   jax.tree_util.tree_map(np.testing.assert_array_equal, loaded_params, params)
+
+
+def test_a_checkpoint_loaded_in_bfloat16_runs_at_precision_default(tmp_path):
+  """hf_import.default_precision: float32 weights keep "highest"; 16-bit weights get "default"
+  (XLA:GPU runs their products as GEMMs there, as reductions at "highest"). Asked for, either
+  precision is kept."""
+  model, params = testing.tiny_decoder()
+  hf_import.save_model(model, params, str(tmp_path))
+  assert hf_import.load_model(str(tmp_path))[0].config.precision == "highest"
+  half = hf_import.load_model(str(tmp_path), dtype="bfloat16")[0].config
+  assert (half.dtype, half.precision) == ("bfloat16", "default")
+  asked = hf_import.load_model(str(tmp_path), dtype="bfloat16", precision="highest")[0].config
+  assert asked.precision == "highest"
+
+
+@pytest.mark.parametrize("given, want", [
+    ("", "--xla_gpu_dot_merger_threshold_mb=0"),
+    ("--xla_force_host_platform_device_count=2",
+     "--xla_force_host_platform_device_count=2 --xla_gpu_dot_merger_threshold_mb=0"),
+    ("--xla_gpu_dot_merger_threshold_mb=32", "--xla_gpu_dot_merger_threshold_mb=32")])
+def test_importing_specjax_turns_xlas_dot_merger_off_unless_the_user_set_it(given, want):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update({"XLA_FLAGS": given} if given else {})
+  out = subprocess.run([sys.executable, "-c", "import os, specjax; print(os.environ['XLA_FLAGS'])"],
+                       env=env, capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == want

@@ -231,16 +231,16 @@ def test_unstacked_layout_equals_stacked(gated, gated_unrolled, tmp_path):
   loop_first, _, loop_cache = loop_model.prefill(loop_params, Prompt.from_lists(ROWS),
                                                  model.init_cache(3, 8, 6))
   # Not bit-equal: XLA fuses a scan body and straight-line layers differently (an ulp here and
-  # there), so 1e-6 of the logits' scale.
-  scale = max(float(np.abs(first).max()), 1.0)
-  np.testing.assert_allclose(loop_first, first, atol=1e-6 * scale, rtol=0)
-  np.testing.assert_allclose(loop_cache.cross_k, cache.cross_k, atol=1e-6, rtol=0)
+  # there), so an ulp of the logits' scale.
+  ulp, scale = testing.layout_ulp(), max(float(np.abs(first).max()), 1.0)
+  np.testing.assert_allclose(loop_first, first, atol=ulp * scale, rtol=0)
+  np.testing.assert_allclose(loop_cache.cross_k, cache.cross_k, atol=ulp, rtol=0)
   logits, _, (k, v) = model.extend_entries(params, tokens, cache)
   loop_logits, _, (loop_k, loop_v) = loop_model.extend_entries(loop_params, tokens, cache)
-  np.testing.assert_allclose(loop_logits, logits, atol=1e-6 * scale, rtol=0)
+  np.testing.assert_allclose(loop_logits, logits, atol=ulp * scale, rtol=0)
   assert loop_k.shape == k.shape == (3, 3, 4, 4, 12)                          # [L,B,T,H,Dh]
-  np.testing.assert_allclose(loop_k, k, atol=1e-6, rtol=0)
-  np.testing.assert_allclose(loop_v, v, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(loop_k, k, atol=ulp, rtol=0)
+  np.testing.assert_allclose(loop_v, v, atol=ulp, rtol=0)
   hf_import.save_model(loop_model, loop_params, str(tmp_path))   # exported as the stacked one
   jax.tree_util.tree_map(np.testing.assert_array_equal, hf_import.load_model(str(tmp_path))[1],
                          params)

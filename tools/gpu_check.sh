@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The accelerator check, in one command: eval.bench at real shapes (the 1.5B target with its
-# 90M draft in the candidate fast setting, profiled, against the defaults and against CUDA-graph
+# 90M draft at the defaults, profiled, against the earlier defaults and against CUDA-graph
 # command buffers for the loop; then the other shapes; then batch 8 and 32), then the whole test
 # suite, each within a time budget, everything written under OUT_DIR.
 #
@@ -10,7 +10,8 @@
 #   ALLOW_CPU=1 SUITE_S=0 BENCH_ARGS="--scale 16 --new_tokens 8" bash tools/gpu_check.sh  # its test
 #
 # Installs the GPU extra first when jax sees no accelerator (pip install -e ".[gpu,test]"), or
-# only the package (no dependencies) where an image already holds jax for the accelerator.
+# only the package (no dependencies) where an image already holds jax for the accelerator, after
+# the wheels in .whl/ if there are any (what such an image lacks: gguf, ml-collections).
 # eval.bench is resumable: a second run with the same OUT_DIR measures only the missing cases.
 # Writes suite.log, failures.txt (each failure as it happens: a suite cut short still names
 # them), bench.json and bench.md (the table; device, jax and commit in the JSON); then put the
@@ -20,6 +21,11 @@ cd "$(dirname "$0")/.."
 out=$(mkdir -p "${1:-runs/gpu_check}" && cd "${1:-runs/gpu_check}" && pwd)
 export PYTHONUNBUFFERED=1
 accel() { python3 -c 'import jax, sys; sys.exit(jax.default_backend() == "cpu")' 2>/dev/null; }
+if [ -z "${ALLOW_CPU:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
+  # Packages the machine's image lacks, carried as wheels (a machine with no registry access).
+  echo "== installing the wheels in .whl/"
+  python3 -m pip install -q --no-index --no-deps .whl/*.whl || exit 1
+fi
 if [ -n "${ALLOW_CPU:-}" ]; then
   echo "== ALLOW_CPU: measuring whatever backend jax has"
 elif ! accel; then
@@ -52,19 +58,21 @@ bench() {
     --output_md "$out/bench.md" --alpha "${ALPHA:-0.9}" "$@" ${BENCH_ARGS:-} 2>&1 \
     | grep -v '^| ---' | grep -E '^\||profile|rror'
 }
-# bfloat16 weights gain nothing from precision `highest` (their products are exact in float32
-# either way) but it makes XLA:GPU emit the matrix-vector products as slow reductions; with
-# `default`, a scanned stack's layers are copied out before each GEMM, so the candidate is
-# unrolled + default. The defaults (scan, highest) in the same call are the before.
-fast=(--batches 1 --layers unrolled --precision default)
+# The defaults (bfloat16 weights at precision `default`, layers unrolled off TPU, XLA's
+# DotMerger off: specjax/__init__.py), profiled; then each earlier default as a before, in the
+# same call: DotMerger on (q/k/v weights concatenated every step), then scanned at `highest`
+# (matrix-vector products as slow reductions).
+fast=(--batches 1)
 bench --shapes "$first" "${fast[@]}" --gammas 5,7 --profile
-bench --shapes "$first" --batches 1 --layers scan --gammas 5,7
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_dot_merger_threshold_mb=32" \
+  bench --shapes "$first" "${fast[@]}" --gammas 5,7
+bench --shapes "$first" --batches 1 --layers scan --precision highest --gammas 5,7
 # The loop as CUDA graphs: XLA's command buffers with the while loop and conditionals in them
 # (no host round trip per iteration); a separate process, as XLA_FLAGS are read at start-up.
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
   bench --shapes "$first" "${fast[@]}" --gammas 5,7
 [ -z "$rest" ] || bench --shapes "$rest" "${fast[@]}" --gammas 3,5
-bench --shapes "$shapes" --batches 8,32 --layers unrolled --precision default --gammas 3
+bench --shapes "$shapes" --batches 8,32 --gammas 3
 
 if [ "${SUITE_S:-250}" -gt 0 ]; then
   echo "== the test suite (budget ${SUITE_S:-250} s)"

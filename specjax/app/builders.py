@@ -142,7 +142,7 @@ class ModelSpec:
   init_from: a specjax training workdir whose exported params replace the initial ones.
   layers: a checkpoint's layer layout (models/layers.py): "scan" (stacked, nn.scan: compile time
   independent of depth), "unrolled" (a loop over per-layer arrays: XLA:CPU decodes faster) or
-  "auto": unrolled on the CPU backend, scanned elsewhere."""
+  "auto": scanned on TPU, unrolled elsewhere."""
   role: str
   checkpoint: str = ""
   dtype: str = "float32"

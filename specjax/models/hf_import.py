@@ -101,7 +101,7 @@ def load_model(name_or_dir: str, dtype: str = "float32", precision: str | None =
                scan_layers: bool | None = None):
   """Returns (model, params) for a local HF checkpoint directory or a cached hub id, the params
   read tensor by tensor straight into `dtype` on the default device. precision: the model's
-  matmul precision (None: its config's default, "highest"; config.json does not carry it).
+  matmul precision (None: `default_precision(dtype)`; config.json does not carry it).
   scan_layers: the layer layout (models/layers.py; None: the default, stacked under nn.scan;
   False: layers_0 ... run by a loop, split from the stack as it is loaded).
   Raises ValueError for an unsupported model_type, dtype or precision, or tensors that do not
@@ -137,11 +137,19 @@ def _model(path: Path, dtype: str, precision: str | None, scan_layers: bool | No
                      f"{sorted(registry)}.")
   mod = registry[model_type]
   model = _model_from_config(mod, hf_config, dtype, path / "config.json")
-  settings = {k: v for k, v in dict(precision=precision, scan_layers=scan_layers).items()
+  settings = {k: v for k, v in dict(precision=precision or default_precision(dtype),
+                                     scan_layers=scan_layers).items()
               if v is not None}      # specjax settings that config.json does not carry
-  if settings:
-    model = dataclasses.replace(model, config=dataclasses.replace(model.config, **settings))
+  model = dataclasses.replace(model, config=dataclasses.replace(model.config, **settings))
   return mod, model
+
+
+def default_precision(dtype: str) -> str:
+  """The matmul precision a model of `dtype` weights gets when none is asked for: "highest" for
+  float32 (the default would round it to TF32 on NVIDIA GPUs and to bfloat16 passes on TPUs);
+  "default" for 16-bit weights, whose products are exact in float32 at any precision, and which
+  XLA:GPU runs as GEMMs at "default" but as slower reductions at "highest"."""
+  return "highest" if dtype == "float32" else "default"
 
 
 def read_config(file: Path) -> dict:

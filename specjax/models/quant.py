@@ -73,7 +73,10 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
   amax = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)                 # [M, 1]
   row_scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
   q = jnp.round(rows / row_scale).astype(jnp.int8)
+  # Integer products are exact at any precision: DEFAULT keeps the ambient default (e.g. a
+  # session's "highest") from choosing another algorithm for them.
   acc = jax.lax.dot_general(q, kernel, (((1,), (0,)), ((), ())),
+                            precision=jax.lax.Precision.DEFAULT,
                             preferred_element_type=jnp.int32)           # [M, N]
   y = acc.astype(jnp.float32) * row_scale * scale
   return y[:m].reshape(*lead, kernel.shape[-1])

@@ -34,7 +34,6 @@ exact SD must give the target's own completions), and a markdown table ends the 
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import importlib.util
 import json
@@ -231,8 +230,7 @@ def sweep(config_name: str, overrides: list[str], items) -> list:
     elif name == "draft":
       out.append(methods.Autoregressive(target=base.draft, settings=base.settings, mesh=base.mesh))
     else:
-      rule = builders.rule(load_config(config_name, overrides + rule_overrides))
-      out.append(dataclasses.replace(base, rule=rule))
+      out.append(methods.variant(base, load_config(config_name, overrides + rule_overrides)))
   return out
 
 

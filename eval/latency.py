@@ -24,6 +24,7 @@ import statistics
 import sys
 
 import jax
+import numpy as np
 
 from eval import flags, timing
 from specjax.app import builders, cli, methods, outputs, runner
@@ -43,13 +44,14 @@ def parse_args(argv):
 
 
 def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = True,
-                  probes: dict | None = None) -> dict:
+                  probes: dict | None = None, say=None) -> dict:
   """Batch-1 runs of every prompt by every decoder, alternating (timing.alternating). Per
   decoder: summed medians of whole generations (total_s) and, with first_token, of first tokens
   alone (first_s: every model's prefill + one token, the time to first token); tokens; compile
-  seconds; aggregated statistics. probes ({name: fn}) join every prompt's alternation, so that
-  what they measure shares the machine's state with the runs; each maps to its median seconds."""
-  acc = {name: dict(total_s=0.0, first_s=0.0, tokens=0, compile_s=0.0, rows=[])
+  seconds; aggregated statistics; the tokens generated for each prompt (outputs). probes ({name: fn}) join every prompt's alternation, so that
+  what they measure shares the machine's state with the runs; each maps to its median seconds.
+  say(message): called as each prompt is done (progress of a long run)."""
+  acc = {name: dict(total_s=0.0, first_s=0.0, tokens=0, compile_s=0.0, rows=[], outputs=[])
          for name in decoders}
   probes = probes or {}
   probe_s = {name: [] for name in probes}
@@ -70,9 +72,16 @@ def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = Tru
       a["first_s"] += first_median
       a["compile_s"] += comp + first_comp
       a["tokens"] += int(gen.lengths[0])
+      a["outputs"].append(np.asarray(gen.tokens)[0, :int(gen.lengths[0])].tolist())
       a["rows"] += runner.stats_rows(gen.stats, 1)
     for name in probes:
       probe_s[name].append(timed[("probe", name)][2])
+    if say:
+      per_token = {name: 1e3 * timed[(name, "all")][2]
+                   / max(int(timed[(name, "all")][0].lengths[0]), 1) for name in decoders}
+      say(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{name} {ms:.0f}"
+                                                         for name, ms in per_token.items())
+          + " ms/token")
   for a in acc.values():
     a["stats"] = runner.aggregate(a.pop("rows"))
   return {**acc, **{name: statistics.median(t) for name, t in probe_s.items()}}

@@ -106,6 +106,28 @@ def test_a_draft_with_another_tokenizer(models):
     assert out.tokens == alone.tokens, rule          # lossless: greedy equals the target alone
 
 
+
+def test_the_vocabulary_map_is_kept_on_disk_and_rebuilt_when_damaged(models, tmp_path,
+                                                                      monkeypatch):
+  from specjax.acceptance import vocab
+  from specjax.api import rules
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  monkeypatch.setattr(rules, "_VOCAB_MAPS", {})
+  target, other = models["target"], models["other"]
+  built = rules.vocab_map(target, other)
+  [path] = tmp_path.glob("vocab-map-*.npz")
+  monkeypatch.setattr(rules, "_VOCAB_MAPS", {})
+  monkeypatch.setattr(vocab, "build", lambda *a, **k: pytest.fail("rebuilt a cached map"))
+  read = rules.vocab_map(target, other)                  # a new process: from the file
+  for field in ("d2t", "t2d", "images", "image_len"):
+    assert (getattr(read, field) == getattr(built, field)).all(), field
+  assert (read.target_vocab, read.draft_vocab) == (built.target_vocab, built.draft_vocab)
+  monkeypatch.undo()
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  monkeypatch.setattr(rules, "_VOCAB_MAPS", {})
+  path.write_bytes(b"not an npz")                         # damaged: built again, not trusted
+  assert (rules.vocab_map(target, other).d2t == built.d2t).all()
+
 def test_stop_strings_and_chat_are_checked(models):
   out = specjax.generate(models["target"], PROMPTS[:1], temperature=0, max_new_tokens=12)
   text = out.texts[0]

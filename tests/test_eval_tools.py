@@ -190,3 +190,28 @@ def test_a_tradeoff_output_prefix_that_is_a_directory_is_refused(tmp_path):
 def test_agreement_without_a_variant_is_refused(no_work, capsys):
   assert agreement.main([]) == 2
   assert "--variant: give the variant's flags" in _error_line(capsys)
+
+
+def test_versus_times_methods_side_by_side_with_transformers(tmp_path):
+  """eval.versus on tiny Hugging Face checkpoints with two tokenizers: specjax's target alone,
+  TLI and SLEM (greedy: the target's own tokens), and transformers' target alone and its
+  universal assisted generation (assistant_tokenizer: the target's tokens again)."""
+  pytest.importorskip("torch")
+  import tiny_checkpoints
+  from eval import versus
+  tdir = tiny_checkpoints.qwen2_checkpoint(tmp_path / "target")
+  ddir = tiny_checkpoints.llama_checkpoint(tmp_path / "draft")
+  out = tmp_path / "versus.json"
+  assert versus.main([
+      "--config", "tiny_hetero.py", "--methods", "target,intersection,slem", "--transformers",
+      "--num_prompts", "2", "--repeats", "1", "--output_json", str(out),
+      f"--config.target.checkpoint={tdir}", f"--config.draft.checkpoint={ddir}",
+      "--config.target.tokenizer=", "--config.draft.tokenizer=",
+      "--config.decode.temperature=0", "--config.decode.max_new_tokens=8"]) == 0
+  rows = {r["method"]: r for r in json.loads(out.read_text())["records"]}
+  assert list(rows) == ["target", "intersection", "slem", "transformers: target",
+                        "transformers: assisted"]
+  for name in ("intersection", "slem"):
+    assert rows[name]["same_tokens_as"] == "target" and rows[name]["tau"] >= 1, rows[name]
+  assert rows["transformers: assisted"]["same_tokens_as"] == "transformers: target"
+  assert all(r["ms_per_token"] > 0 and r["tokens"] > 0 for r in rows.values())

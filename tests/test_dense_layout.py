@@ -171,6 +171,12 @@ def test_load_resolves_auto_and_logs_why(monkeypatch, tmp_path, caplog):
   import tiny_checkpoints  # tests/ is on sys.path under pytest
   path = tiny_checkpoints.qwen2_checkpoint(tmp_path / "ckpt")
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+  monkeypatch.setenv("SPECJAX_DENSE_LAYOUT", "out_in")            # what conftest pins, here out_in
+  assert loading.load(str(path)).model.config.layout == "out_in"
+  monkeypatch.setenv("SPECJAX_DENSE_LAYOUT", "kn")
+  with pytest.raises(ValueError, match=r"\$SPECJAX_DENSE_LAYOUT='kn': use one of in_out, out_in"):
+    loading.load(str(path))
+  monkeypatch.delenv("SPECJAX_DENSE_LAYOUT")                      # measured (a fake timer)
   calls = []
   _fake_timer(monkeypatch, 0.5, calls)
   with caplog.at_level(logging.INFO, logger="specjax.api.loading"):

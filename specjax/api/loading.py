@@ -39,6 +39,7 @@ SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained ch
 DTYPES = ("float32", "bfloat16")      # what every model family computes in
 DENSE_LAYOUTS = ("auto",) + dense_layout.LAYOUTS
 LAYOUT_CACHE = "dense_layout.json"    # under cache_dir(): layout_choice's measurements
+LAYOUT_ENV = "SPECJAX_DENSE_LAYOUT"   # in_out | out_in: what "auto" resolves to, not measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +135,9 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   "out_in" ([out, in], PyTorch's) or "auto": on the CPU backend the faster of the two for this
   model's shapes at widths `rows`, measured once per machine and kept in the cache
   (models/layout_choice.py); in_out on accelerators, for int8 weights and for T5 (which has
-  in_out only). rows: the widths the model runs at (a draft (1,), a target (1, gamma + 1);
-  None: (1, 5), a step and gamma 4's verify).
+  in_out only); $SPECJAX_DENSE_LAYOUT, if set, is what "auto" means (the test suite pins it,
+  so that no test depends on the machine). rows: the widths the model runs at (a draft (1,), a
+  target (1, gamma + 1); None: (1, 5), a step and gamma 4's verify).
   Raises UnknownModelError, hf_import.CheckpointNotFoundError, VocabMismatchError or ValueError
   (a bad dtype or layout) before any weight is read."""
   if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
@@ -224,6 +226,11 @@ def dense_layout_of(path: Path, dtype: str, scan: bool, role: str, quant: str, l
     choice = layout_choice.Choice(layout, "asked for")
   elif quant:
     choice = layout_choice.Choice(dense_layout.IN_OUT, f"{quant} weights are stored [in, out]")
+  elif os.environ.get(LAYOUT_ENV):
+    choice = layout_choice.Choice(os.environ[LAYOUT_ENV], f"${LAYOUT_ENV}")
+    if choice.layout not in dense_layout.LAYOUTS:
+      raise ValueError(f"${LAYOUT_ENV}={choice.layout!r}: use one of "
+                       f"{', '.join(dense_layout.LAYOUTS)}, or unset it to measure")
   else:
     known = rows is not None
     rows = tuple(rows) if known else layout_choice.DEFAULT_ROWS

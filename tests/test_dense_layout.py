@@ -138,13 +138,22 @@ def test_auto_measures_once_then_reads_the_cache(monkeypatch, tmp_path, factor, 
   assert first.layout == want and first.reason.startswith("measured at rows 1, 5")
   assert len(calls) == 3 * 2 * 2                  # shapes x widths x layouts
   assert first.costs["in_out"] == pytest.approx(1e-3 * (2 + 1 + 2) * (1 + 5))
-  again = layout_choice.choose(model, (5, 1), cache_file=cache, backend="cpu")
+  again = layout_choice.choose(model, [5, 1], cache_file=cache, backend="cpu")
   assert again.layout == want and again.reason == f"cached in {cache}"
   assert len(calls) == 12                         # not measured again
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")   # another setting
   assert layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu").reason.startswith(
       "measured")
   assert len(calls) == 24
+
+
+def test_a_repeated_width_counts_as_often_as_it_runs(monkeypatch):
+  calls = []
+  _fake_timer(monkeypatch, 0.9, calls)
+  choice = layout_choice.choose(_llama(), (2, 1, 1, 1), cache_file=None, backend="cpu")
+  assert sorted({m for _, m, _ in calls}) == [1, 2] and len(calls) == 3 * 2 * 2   # timed once
+  assert choice.costs["in_out"] == pytest.approx(1e-3 * (2 + 1 + 2) * (3 * 1 + 2))
+  assert choice.reason == "measured at rows 1, 1, 1, 2"
 
 
 def test_auto_off_the_cpu_and_the_margin(monkeypatch, tmp_path):

@@ -136,8 +136,9 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   model's shapes at widths `rows`, measured once per machine and kept in the cache
   (models/layout_choice.py); in_out on accelerators, for int8 weights and for T5 (which has
   in_out only); $SPECJAX_DENSE_LAYOUT, if set, is what "auto" means (the test suite pins it,
-  so that no test depends on the machine). rows: the widths the model runs at (a draft (1,), a
-  target (1, gamma + 1); None: (1, 5), a step and gamma 4's verify).
+  so that no test depends on the machine). rows: the widths the model runs at, each as often as
+  it runs (a target (1, gamma + 1); a draft (2, 1, .., 1): its block's first pass over two tokens,
+  then gamma - 1 steps; None: (1, 5), a step and gamma 4's verify).
   Raises UnknownModelError, hf_import.CheckpointNotFoundError, VocabMismatchError or ValueError
   (a bad dtype or layout) before any weight is read."""
   if not isinstance(name, (str, os.PathLike)) or not str(name).strip():

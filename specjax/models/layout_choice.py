@@ -3,15 +3,17 @@ this machine, measured once and remembered.
 
 On the CPU backend the model's own largest dense shapes (a layer's distinct [in, out] kernel
 shapes, the three largest, each weighted by how many kernels of the layer have it) are multiplied
-by [M, in] activations at the widths the model runs at (`rows`: a draft M = 1, a target M = 1 and
-M = gamma + 1) in both layouts: jitted, compiled apart, median of REPEATS calls, with enough
-copies of each weight that they do not fit in the caches (a decoding step reads its weights from
-memory). "out_in" is chosen only when its weighted cost (sum over shapes and widths of weight x
-median time) is more than MARGIN below "in_out"'s: near a tie Flax's layout stays. The answer is
+by [M, in] activations at the widths the model runs at (`rows`, a width repeated as often as it
+runs: a draft's block at gamma 4 is one M = 2 pass over the last two committed tokens and three
+M = 1 steps, (1, 1, 1, 2); a target's M = 1 step and M = gamma + 1 verify, (1, 5)) in both
+layouts: jitted, compiled apart, median of REPEATS calls, with enough copies of each weight that
+they do not fit in the caches (a decoding step reads its weights from memory). "out_in" is
+chosen only when its weighted cost (sum over shapes and widths of count x median time) is more
+than MARGIN below "in_out"'s: near a tie Flax's layout stays. The answer is
 kept in a JSON file (`cache_file`, given by the caller) keyed by the CPU's flags and core count,
 the jaxlib version, XLA_FLAGS, the shapes, widths, dtype and precision, so it is measured once per
-machine and setting. Other backends get "in_out" without measuring: the flip was seen on XLA:CPU
-only, and accelerators' GEMMs take either operand order at the same speed.
+machine and setting. Other backends get "in_out" without measuring: the flip was seen on XLA:CPU,
+and the GPU and TPU results (docs/results.md) were measured in Flax's layout.
 """
 
 from __future__ import annotations
@@ -73,14 +75,14 @@ def dense_shapes(model) -> tuple[tuple[int, int, int], ...]:
 
 def choose(model, rows=DEFAULT_ROWS, *, cache_file: Path | None,
            backend: str | None = None) -> Choice:
-  """The layout for `model` (a decoder-only model with a `layout` field) at widths `rows`: the
-  backend default off the CPU, else the cached answer or a measurement (module docstring),
-  stored in `cache_file` (None: not stored)."""
+  """The layout for `model` (a decoder-only model with a `layout` field) at widths `rows` (a
+  repeated width counts as often as it appears): the backend default off the CPU, else the
+  cached answer or a measurement (module docstring), stored in `cache_file` (None: not stored)."""
   backend = backend or jax.default_backend()
   if backend != "cpu":
     return Choice(dense_layout.IN_OUT, f"the {backend} backend's default, not measured")
   cfg = model.config
-  shapes, rows = dense_shapes(model), tuple(sorted(set(int(m) for m in rows)))
+  shapes, rows = dense_shapes(model), tuple(sorted(int(m) for m in rows))
   key = _key(shapes, rows, cfg.dtype, cfg.precision)
   cached = _read(cache_file).get(key)
   if cached is not None and cached.get("layout") in dense_layout.LAYOUTS:
@@ -103,10 +105,14 @@ def decide(costs: dict[str, float]) -> str:
 
 
 def _cost(shapes, rows, layout: str, dtype: str, precision: str) -> float:
-  """Sum over shapes (in, out, count) and widths M of count x the median seconds of one
-  [M, in] x kernel product in `layout`."""
-  return sum(count * sum(time_products((k, n), rows, layout, dtype, precision))
-             for k, n, count in shapes)
+  """Sum over shapes (in, out, count) and widths M (each as often as `rows` holds it) of count x
+  the median seconds of one [M, in] x kernel product in `layout`; each width timed once."""
+  widths = Counter(rows)
+  total = 0.0
+  for k, n, count in shapes:
+    times = time_products((k, n), tuple(widths), layout, dtype, precision)
+    total += count * sum(widths[m] * t for m, t in zip(widths, times))
+  return total
 
 
 def time_products(shape: tuple[int, int], rows: tuple[int, ...], layout: str, dtype: str,

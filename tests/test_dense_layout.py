@@ -202,3 +202,15 @@ def test_load_resolves_auto_and_logs_why(monkeypatch, tmp_path, caplog):
   assert again.model.config.layout == "out_in"
   assert "gamma not known at load, rows (1, 5) assumed" in caplog.text
   assert dataclasses.replace(again.model.config, layout="in_out") == reference.model.config
+
+
+def test_param_cache_key_includes_the_layout(monkeypatch, tmp_path):
+  """The converted params kept in the cache are per layout; in_out keeps the key it had."""
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  ckpt = tmp_path / "gguf" / "target-x"
+  ckpt.mkdir(parents=True)
+  (ckpt / "config.json").write_text("{}")
+  keys = {layout: loading._param_cache_dir(ckpt, "float32", False, "", layout)
+          for layout in (None, "in_out", "out_in")}
+  assert keys[None] == keys["in_out"] != keys["out_in"]
+  assert keys["out_in"].parent == tmp_path / "params"

@@ -11,7 +11,10 @@ Parameter leaf name (fixed by docs/architecture.md) -> logical axes -> mesh axes
 and logical -> mesh: heads, kv_heads, mlp, vocab -> 'model' (tensor parallelism); batch ->
 'data'; embed, relpos, layers, length, head_dim -> replicated. Flax Dense leaves take their
 module's name: `query/kernel` is `query`, and `query/bias` gets the kernel's output axis
-(('heads',)). A leaf with one extra leading axis (scanned layers) gets 'layers' in front. Names
+(('heads',)). A model whose dense kernels are stored [out, in] (`layout="out_in"`,
+models/dense_layout.py) gets each Dense kernel's two axes swapped (`out` [D, H*Dh] is
+('embed', 'heads')); its biases, the embedding and the LM head keep theirs. A leaf with one extra
+leading axis (scanned layers) gets 'layers' in front. Names
 outside the table, dimensions that the mesh axis does not divide, and leaves of another rank are
 replicated (correct, just not sharded). `units` ({'heads': H, 'kv_heads': Hkv}) keeps a head whole:
 a [D, Hkv*Dh] kernel is split only when the mesh axis divides Hkv itself (grouped-query attention
@@ -98,12 +101,18 @@ def _names(path) -> tuple[str, ...]:
   return tuple(str(getattr(e, "key", getattr(e, "name", getattr(e, "idx", "")))) for e in path)
 
 
-def leaf_axes(names: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
-  """Logical axes of a param leaf from its path names and rank (see the module docstring)."""
+OUT_IN = "out_in"       # models/dense_layout.OUT_IN (sharding sits beside models, not above it)
+
+
+def leaf_axes(names: tuple[str, ...], ndim: int, layout: str = "in_out") -> tuple[str | None, ...]:
+  """Logical axes of a param leaf from its path names and rank (see the module docstring);
+  layout: the model's dense-kernel layout ("in_out" or "out_in": Dense kernels' axes swapped)."""
   leaf = names[-1] if names else ""
   parent = names[-2] if len(names) > 1 else ""
   if leaf == "kernel":
     axes = PARAM_AXES.get(parent)
+    if layout == OUT_IN and axes is not None and parent != "lm_head":
+      axes = axes[::-1]
   elif leaf == "bias" and parent in PARAM_AXES and len(PARAM_AXES[parent]) == 2:
     axes = PARAM_AXES[parent][-1:]
   else:
@@ -115,10 +124,10 @@ def leaf_axes(names: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
   return axes if ndim == len(axes) else (None,) * ndim
 
 
-def logical_axes(params) -> Any:
-  """A pytree like params whose leaves are tuples of logical axis names."""
+def logical_axes(params, layout: str = "in_out") -> Any:
+  """A pytree like params whose leaves are tuples of logical axis names (layout: leaf_axes)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: leaf_axes(_names(path), np.ndim(x)), params)
+      lambda path, x: leaf_axes(_names(path), np.ndim(x), layout), params)
 
 
 def spec_for(axes, shape, mesh: Mesh, units: dict[str, int] | None = None) -> P:
@@ -137,11 +146,13 @@ def spec_for(axes, shape, mesh: Mesh, units: dict[str, int] | None = None) -> P:
   return P(*out)
 
 
-def param_shardings(params, mesh: Mesh, units: dict[str, int] | None = None) -> Any:
+def param_shardings(params, mesh: Mesh, units: dict[str, int] | None = None,
+                    layout: str = "in_out") -> Any:
   """NamedSharding per param leaf (works on arrays or jax.ShapeDtypeStruct); units: see
-  spec_for (decoding passes the model's head counts)."""
+  spec_for (decoding passes the model's head counts); layout: the model's dense-kernel layout
+  (leaf_axes)."""
   def one(path, x):
-    axes = leaf_axes(_names(path), len(x.shape))
+    axes = leaf_axes(_names(path), len(x.shape), layout)
     return NamedSharding(mesh, spec_for(axes, x.shape, mesh, units))
   return jax.tree_util.tree_map_with_path(one, params)
 

@@ -19,6 +19,16 @@ def highest_matmul_precision():
       yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def dense_layout_pinned():
+  """specjax.load's layout="auto" measures which dense layout is faster on the machine
+  (models/layout_choice.py): pin it to in_out, here and in subprocesses, so that no test's
+  models depend on the machine (tests/test_dense_layout.py unsets it to test the choice)."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv("SPECJAX_DENSE_LAYOUT", "in_out")
+    yield
+
+
 def pytest_runtest_logreport(report):
   """With SPECJAX_FAILURES=FILE, each failure's id and traceback is appended to FILE as it
   happens, so that a run cut short by a time limit (tools/gpu_check.sh) still names them."""

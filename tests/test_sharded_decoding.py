@@ -9,6 +9,7 @@ eval.latency on a mesh, and two processes joined by jax.distributed are slow-mar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -87,6 +88,30 @@ def test_attention_splits_by_whole_kv_head_groups():
   assert sharded.model_units(mha) == {"heads": 8, "kv_heads": 8}
 
 
+def test_out_in_layout_swaps_the_kernel_axes(monkeypatch):
+  """layout="out_in" stores Dense kernels [out, in]: their logical axes are swapped, so the
+  same dims split; biases, the embedding and the LM head keep theirs."""
+  gqa = llama.Llama(llama.LlamaConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=8,
+                                      num_kv_heads=2, head_dim=4, d_ff=64, qkv_bias=True,
+                                      layout="out_in"))
+  out_in = lambda *names: sharding.leaf_axes(names, 3, "out_in")
+  assert out_in("layers", "attention", "query", "kernel") == ("layers", "heads", "embed")
+  assert out_in("layers", "attention", "out", "kernel") == ("layers", "embed", "heads")
+  assert out_in("layers", "mlp", "wo", "kernel") == ("layers", "embed", "mlp")
+  assert sharding.leaf_axes(("layers", "mlp", "wi_0", "bias"), 2, "out_in") == ("layers", "mlp")
+  assert sharding.leaf_axes(("lm_head", "kernel"), 2, "out_in") == ("embed", "vocab")
+  assert sharding.leaf_axes(("token_embed", "embedding"), 2, "out_in") == ("vocab", "embed")
+  monkeypatch.setattr(sharding, "NamedSharding", lambda mesh, spec: spec)   # a fake mesh's
+  for layout, gate in (("out_in", P(None, "model", None)), ("in_out", P(None, None, "model"))):
+    model = llama.Llama(dataclasses.replace(gqa.config, layout=layout))
+    params = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
+    specs = sharded.param_shardings(model, params, fake_mesh(1, 2))["layers"]
+    assert specs["mlp"]["wi_0"]["kernel"] == gate                  # out_in [L, F, D]: F splits
+    assert specs["mlp"]["wo"]["kernel"] == P(None, *reversed(gate[1:]))
+    assert specs["attention"]["query"]["kernel"] == gate
+    assert specs["attention"]["query"]["bias"] == P(None, "model")
+
+
 def test_a_model_axis_that_splits_no_head_is_refused_with_the_choices():
   with pytest.raises(sharding.HeadsError) as info:
     sharding.check_heads(fake_mesh(1, 8), heads=12, kv_heads=2, what="the target model")
@@ -149,10 +174,10 @@ CHILD = textwrap.dedent("""
       first = dict(tp, layers=jax.tree.map(lambda x: x[:1], tp["layers"]))
       return target, tp, draft, noisy(first, jax.random.PRNGKey(1))
 
-    def llama_pair(draft_vocab=V):
+    def llama_pair(draft_vocab=V, layout="in_out"):
       cfg = llama.LlamaConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=8,
                               num_kv_heads=2, head_dim=4, d_ff=64, bos_token_id=1,
-                              eos_token_id=None)
+                              eos_token_id=None, layout=layout)
       target = llama.Llama(cfg)
       tp = spread(target.init_params(jax.random.PRNGKey(0)))
       draft = llama.Llama(dataclasses.replace(cfg, num_layers=1, vocab_size=draft_vocab))
@@ -170,7 +195,8 @@ CHILD = textwrap.dedent("""
       first = dict(tp, encoder=cut(tp["encoder"]), decoder=cut(tp["decoder"]))
       return target, tp, draft, noisy(first, jax.random.PRNGKey(1))
 
-    PAIRS = {"decoder": decoder_pair, "llama": llama_pair, "t5": t5_pair}
+    PAIRS = {"decoder": decoder_pair, "llama": llama_pair, "t5": t5_pair,
+             "llamaoutin": lambda draft_vocab=V: llama_pair(draft_vocab, layout="out_in")}
 
     def cross_vocab():
       # Draft ids 0..39 are target ids 0..39; target ids 40..63 are two draft tokens each.
@@ -305,6 +331,15 @@ def test_sharded_speculative_equals_one_device_and_keeps_the_cache_in_place():
   assert_same_as_one_device(out, cases, shapes)
   kinds = {op for op, _, _ in out[cases[0]]["2x4"]["hlo"]["collectives"]}
   assert "all-reduce" in kinds                     # row-parallel matmuls sum over 'model'
+
+
+def test_sharded_out_in_layout_equals_one_device():
+  """The same Llama pair with its dense kernels stored [out, in] (models/dense_layout.py): the
+  rules split each kernel along its swapped axes, and the 2x4 mesh gives the one-device tokens
+  without moving a cache."""
+  cases, shapes = ["llamaoutin:exact:1.0"], ["2x4"]
+  out = run_child(cases, shapes, hlo=True)
+  assert_same_as_one_device(out, cases, shapes)
 
 
 FULL = ["decoder:exact:0", "decoder:exact:1.0", "decoder:adaptive:1.0", "decoder:cross:1.0",

@@ -28,7 +28,8 @@ from specjax.api import fetch, gguf_cache
 from specjax.api.errors import UsageError
 from specjax.data.cache import build_lock, cache_dir, settings_key
 from specjax.data.tokenizer import get_tokenizer
-from specjax.models import gguf_import, hf_import, host_memory, param_cache
+from specjax.models import dense_layout, gguf_import, hf_import, host_memory, layout_choice
+from specjax.models import param_cache
 from specjax.models import quant as quant_lib
 from specjax.models import layers as layouts
 
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained checkpoints
 DTYPES = ("float32", "bfloat16")      # what every model family computes in
+DENSE_LAYOUTS = ("auto",) + dense_layout.LAYOUTS
+LAYOUT_CACHE = "dense_layout.json"    # under cache_dir(): layout_choice's measurements
+LAYOUT_ENV = "SPECJAX_DENSE_LAYOUT"   # in_out | out_in: what "auto" resolves to, not measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +121,8 @@ def default_dtype(backend: str | None = None) -> str:
 
 
 def load(name: str, *, dtype: str | None = None, layers: str = "auto", download: bool = True,
-         tokenizer: str | None = None, role: str = "model", quant: str = "") -> LoadedModel:
+         tokenizer: str | None = None, role: str = "model", quant: str = "",
+         layout: str = "auto", rows: tuple[int, ...] | None = None) -> LoadedModel:
   """A checkpoint name (module docstring) -> LoadedModel on the default device.
 
   dtype: the params' dtype ("float32" or "bfloat16"; None: default_dtype()).
@@ -126,6 +131,14 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.
   quant: "int8" stores the transformer layers' dense kernels as int8 with a scale per output
   channel (models/quant.py; decoder-only families); "" keeps them in `dtype`.
+  layout: the dense kernels' storage (models/dense_layout.py), "in_out" ([in, out], Flax's),
+  "out_in" ([out, in], PyTorch's) or "auto": on the CPU backend the faster of the two for this
+  model's shapes at widths `rows`, measured once per machine and kept in the cache
+  (models/layout_choice.py); in_out on accelerators, for int8 weights and for T5 (which has
+  in_out only); $SPECJAX_DENSE_LAYOUT, if set, is what "auto" means (the test suite pins it,
+  so that no test depends on the machine). rows: the widths the model runs at, each as often as
+  it runs (a target (1, gamma + 1); a draft (2, 1, .., 1): its block's first pass over two tokens,
+  then gamma - 1 steps; None: (1, 5), a step and gamma 4's verify).
   Raises UnknownModelError, hf_import.CheckpointNotFoundError, VocabMismatchError or ValueError
   (a bad dtype or layout) before any weight is read."""
   if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
@@ -138,6 +151,11 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
     raise ValueError(f"layers={layers!r}: use one of {', '.join(layouts.LAYOUTS)}")
   if quant not in quant_lib.QUANTS:
     raise ValueError(f"quant={quant!r}: use int8, or '' for {dtype} weights")
+  if layout not in DENSE_LAYOUTS:
+    raise ValueError(f"layout={layout!r}: use one of {', '.join(DENSE_LAYOUTS)}")
+  if layout == dense_layout.OUT_IN and quant:
+    raise ValueError(f"layout={layout!r} applies to float weights; quant={quant!r} kernels are "
+                     f"stored [in, out]: use layout='auto' or 'in_out'")
   if quant and jax.default_backend() != "cpu":
     raise ValueError(f"quant={quant!r} is checked on CPU only (W8A8 for XLA:CPU); on "
                      f"{jax.default_backend()} the int8 product has not passed the test suite "
@@ -151,8 +169,10 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   log.info("loading the %s from %s (%.2f GB on disk) as %s ...", role, path, size_gb,
            f"{dtype} with int8 layers" if quant else dtype)
   start = time.perf_counter()
+  scan = layouts.scan_layers(layers)
+  dense = dense_layout_of(path, dtype, scan, role, quant, layout, rows)
   with host_memory.large_blocks_returned():
-    model, params = _load_params(path, dtype, layouts.scan_layers(layers), role, quant)
+    model, params = _load_params(path, dtype, scan, role, quant, dense)
   log.info("loaded the %s in %.1fs", role, time.perf_counter() - start)
   check_vocab(role, model.vocab_size, tok, fix)
   return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tok, path=path)
@@ -191,18 +211,53 @@ def check_vocab(role: str, rows, tokenizer, fix: str) -> None:
       f"tokens but the {role} model's embedding table has {rows} rows", fix)
 
 
-def _load_params(path: Path, dtype: str, scan: bool, role: str, quant: str = ""):
-  """(model, params) of a checkpoint directory; specjax's own converted checkpoints go through
-  the param cache (module docstring): written when the process exits, after its results."""
-  cached = _param_cache_dir(path, dtype, scan, quant)
+def dense_layout_of(path: Path, dtype: str, scan: bool, role: str, quant: str, layout: str,
+                    rows: tuple[int, ...] | None) -> str | None:
+  """The dense layout the checkpoint at `path` is loaded in (load's `layout`, "auto" resolved
+  and logged with its reason); None for a model without the setting (T5), which refuses
+  out_in."""
+  model = hf_import.model_from_dir(path, dtype, scan_layers=scan)
+  if not hasattr(model.config, "layout"):
+    if layout == dense_layout.OUT_IN:
+      raise ValueError(f"layout={layout!r}: the dense layout is a setting of the decoder-only "
+                       f"families (GPT-2, Llama, Qwen, Mistral); the {role} is a "
+                       f"{type(model).__name__}: use layout='auto' or 'in_out'")
+    return None
+  if layout != "auto":
+    choice = layout_choice.Choice(layout, "asked for")
+  elif quant:
+    choice = layout_choice.Choice(dense_layout.IN_OUT, f"{quant} weights are stored [in, out]")
+  elif os.environ.get(LAYOUT_ENV):
+    choice = layout_choice.Choice(os.environ[LAYOUT_ENV], f"${LAYOUT_ENV}")
+    if choice.layout not in dense_layout.LAYOUTS:
+      raise ValueError(f"${LAYOUT_ENV}={choice.layout!r}: use one of "
+                       f"{', '.join(dense_layout.LAYOUTS)}, or unset it to measure")
+  else:
+    known = rows is not None
+    rows = tuple(rows) if known else layout_choice.DEFAULT_ROWS
+    choice = layout_choice.choose(model, rows, cache_file=cache_dir() / LAYOUT_CACHE)
+    if not known:
+      choice = dataclasses.replace(choice, reason=f"{choice.reason}; gamma not known at load, "
+                                                  f"rows {rows} assumed")
+  log.info("dense layout of the %s: %s", role, choice.describe())
+  return choice.layout
+
+
+def _load_params(path: Path, dtype: str, scan: bool, role: str, quant: str = "",
+                 layout: str | None = None):
+  """(model, params) of a checkpoint directory, its dense kernels in `layout` (None: the
+  family's default); specjax's own converted checkpoints go through the param cache (module
+  docstring): written when the process exits, after its results."""
+  cached = _param_cache_dir(path, dtype, scan, quant, layout)
   if cached is not None and param_cache.complete(cached):
-    model = _quantized(hf_import.model_from_dir(path, dtype, scan_layers=scan), quant, role)
+    model = _quantized(hf_import.model_from_dir(path, dtype, scan_layers=scan, layout=layout),
+                       quant, role)
     like = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
     try:
       return model, param_cache.load(cached, like)
     except (ValueError, OSError) as err:            # damaged: load the checkpoint again
       log.warning("ignoring the cached params in %s (%s)", cached, err)
-  model, params = hf_import.load_model(str(path), dtype, scan_layers=scan)
+  model, params = hf_import.load_model(str(path), dtype, scan_layers=scan, layout=layout)
   if quant:
     model = _quantized(model, quant, role)
     params = quant_lib.quantize_params(params, model.config.tie_word_embeddings)
@@ -226,15 +281,19 @@ PARAM_CACHE_VERSION = 1
 QUANT_VERSION = 2        # int8 params: bump when quant.quantize_params changes
 
 
-def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "") -> Path | None:
+def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "",
+                     layout: str | None = None) -> Path | None:
   """CACHE/params/NAME-KEY for checkpoints inside the cache (None elsewhere: a user's
-  checkpoints are not copied); KEY digests the weight files, the dtype and the layout."""
+  checkpoints are not copied); KEY digests the weight files, the dtype, the layer layout and the
+  dense layout (in_out, or None, keys as before it existed)."""
   root = cache_dir()
   path = path.resolve()
   if os.environ.get("SPECJAX_PARAM_CACHE", "1") == "0" or root.resolve() not in path.parents:
     return None
   files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".json"))
   quant_key = {"quant": quant, "qv": QUANT_VERSION} if quant else {}   # float keys as before
+  if layout not in (None, dense_layout.IN_OUT):
+    quant_key["layout"] = layout
   key = settings_key({"path": str(path), "dtype": dtype, "scan": scan, **quant_key,
                       "v": PARAM_CACHE_VERSION,
                       "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]})

@@ -22,7 +22,7 @@ from specjax.api.methods import DecodeSettings
 from specjax.app.config import ConfigError
 from specjax.distill import data as distill_data
 from specjax.distill.trainer import TrainConfig
-from specjax.models import decoder, t5
+from specjax.models import decoder, dense_layout, t5
 from specjax.models import layers as model_layers
 
 
@@ -133,6 +133,9 @@ def rule(config, **fixed):
 
 # ------------------------------------------------------------------------------------- models
 
+DENSE_LAYOUTS = ("auto",) + dense_layout.LAYOUTS       # a section's `layout`
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """A model section (`target`, `draft`, ...): one schema for decoding and training.
@@ -142,7 +145,10 @@ class ModelSpec:
   init_from: a specjax training workdir whose exported params replace the initial ones.
   layers: a checkpoint's layer layout (models/layers.py): "scan" (stacked, nn.scan: compile time
   independent of depth), "unrolled" (a loop over per-layer arrays: XLA:CPU decodes faster) or
-  "auto": scanned on TPU, unrolled elsewhere."""
+  "auto": scanned on TPU, unrolled elsewhere. layout: a decoder-only checkpoint's dense kernels
+  (models/dense_layout.py), "in_out", "out_in" or "auto": measured once per machine on CPU
+  (models/layout_choice.py), in_out elsewhere; sections with `init_from`, and training, take
+  in_out for "auto" (the trainers' params are [in, out])."""
   role: str
   checkpoint: str = ""
   dtype: str = "float32"
@@ -153,12 +159,18 @@ class ModelSpec:
   fields: tuple = ()             # (name, value) architecture fields
   layers: str = "auto"           # auto | scan | unrolled
   quant: str = ""                # "int8": int8 dense layers (models/quant.py)
+  layout: str = "auto"           # auto | in_out | out_in
 
   def __post_init__(self):
     if self.quant not in ("", "int8"):
       raise ValueError(f"quant={self.quant!r}: use int8, or '' for {self.dtype} weights")
     if self.layers not in model_layers.LAYOUTS:
       raise ValueError(f"layers={self.layers!r}: use one of {', '.join(model_layers.LAYOUTS)}")
+    if self.layout not in DENSE_LAYOUTS:
+      raise ValueError(f"layout={self.layout!r}: use one of {', '.join(DENSE_LAYOUTS)}")
+    if self.layout == "out_in" and self.init_from:
+      raise ValueError(f"layout=out_in with init_from={self.init_from}: the trainers export "
+                       f"[in, out] kernels; use layout=auto or in_out")
 
 
 ARCHS = {"decoder": (decoder.DecoderConfig, decoder.Decoder), "t5": (t5.T5Config, t5.T5)}

@@ -76,8 +76,12 @@ def mesh_from_config(config):
 def load_placed(config, role: str, mesh, target: bool) -> LoadedModel:
   """A model section loaded, its params placed on the mesh by the rules table. The target must
   have heads that the mesh's model axis divides (sharding.HeadsError); a draft whose heads it
-  does not divide keeps its attention replicated."""
-  return api_methods.placed(resolve.load(builders.model_spec(config, role)), mesh, target,
+  does not divide keeps its attention replicated. The dense layout ("auto") is chosen for the
+  widths the model runs at: a target's step and verify pass (1, gamma + 1); a draft's block, one
+  pass over the last two committed tokens then gamma - 1 steps (decoding/speculative.py)."""
+  gamma = builders.decode_settings(config).gamma
+  rows = (1, gamma + 1) if target else (2,) + (1,) * max(gamma - 1, 1)
+  return api_methods.placed(resolve.load(builders.model_spec(config, role), rows), mesh, target,
                             f"the {role} model")
 
 

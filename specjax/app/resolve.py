@@ -42,14 +42,17 @@ def eval_source(config):
                      data_dir=spec.data_dir or None)
 
 
-def load(spec: builders.ModelSpec) -> LoadedModel:
+def load(spec: builders.ModelSpec, rows: tuple[int, ...] | None = None) -> LoadedModel:
   """Weights in the section's layer layout (`layers`; `init_from` then loads params of that
-  layout, if set) and tokenizer of a section with a checkpoint."""
+  layout, if set), dense layout (`layout`; "auto" at widths `rows`: loading.load, and in_out
+  with init_from, whose params are [in, out]) and tokenizer of a section with a checkpoint."""
   path = checkpoint_dir(spec)
   check_arch(spec, hf_import.read_config(path / "config.json").get("model_type"), path)
+  layout = "in_out" if spec.init_from and spec.layout == "auto" else spec.layout
   try:
     loaded = loading.load(str(path), dtype=spec.dtype, layers=spec.layers,
-                          tokenizer=spec.tokenizer or None, role=spec.role, quant=spec.quant)
+                          tokenizer=spec.tokenizer or None, role=spec.role, quant=spec.quant,
+                          layout=layout, rows=rows)
   except VocabMismatchError as err:
     if not spec.tokenizer:
       raise
@@ -78,7 +81,7 @@ def check_arch(spec: builders.ModelSpec, found: str | None, path: Path) -> None:
 def build_model(spec: builders.ModelSpec, seed: int):
   """(model, params) for training: a checkpoint's weights, or a model built from the section's
   fields with random init (PRNGKey(seed)); `init_from` then replaces the params."""
-  if spec.checkpoint:
-    loaded = load(spec)
+  if spec.checkpoint:      # the trainers' params, updates and exports are [in, out]
+    loaded = load(dataclasses.replace(spec, layout="in_out") if spec.layout == "auto" else spec)
     return loaded.model, loaded.params
   return builders.init_model(spec, seed)

@@ -63,7 +63,8 @@ def param_shardings(model, params, mesh) -> Any:
   """The rules table's shardings of a model's params (model None: replicated, e.g. a verifier)."""
   if model is None:
     return jax.tree_util.tree_map(lambda _: sharding.replicated(mesh), params)
-  return sharding.param_shardings(params, mesh, model_units(model))
+  layout = getattr(getattr(model, "config", None), "layout", "in_out")    # models/dense_layout
+  return sharding.param_shardings(params, mesh, model_units(model), layout)
 
 
 def place_params(model, params, mesh) -> Any:

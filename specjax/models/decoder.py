@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import attention, hf_tensors, layers, quant
+from specjax.models import attention, dense_layout, hf_tensors, layers, quant
 from specjax.models import kv_cache as kvc
 from specjax.models.decoder_only import DecoderOnly
 from specjax.models.sub_vocab import SubVocab
@@ -68,6 +68,9 @@ class DecoderConfig:
   scan_layers: bool = True
   head_subset: SubVocab | None = None   # the head scores only these ids (models/sub_vocab.py)
   quant: str = ""                       # "int8": int8 dense layers (models/quant.py)
+  # The layers' dense kernels [in, out] or "out_in" [out, in] (models/dense_layout.py; GPT-2's
+  # Conv1D weights are [in, out], so out_in transposes them on import). Not an HF field.
+  layout: str = "in_out"
 
   def __post_init__(self):
     if self.precision not in _PRECISIONS:
@@ -79,6 +82,7 @@ class DecoderConfig:
       raise ValueError(f"dtype '{self.dtype}' is not supported; use one of {_DTYPES}.")
     if self.quant not in quant.QUANTS:
       raise ValueError(f"quant '{self.quant}' is not supported; use one of {quant.QUANTS}.")
+    dense_layout.check(self.layout, self.quant)
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}.")
 
@@ -126,7 +130,8 @@ class _Table(nn.Module):
 
 def _dense(cfg: DecoderConfig, features: int, *, name: str, kernel_init) -> nn.Module:
   return quant.dense(features, quant=cfg.quant, dtype=jnp.dtype(cfg.dtype),
-                     precision=cfg.precision, kernel_init=kernel_init, name=name)
+                     precision=cfg.precision, kernel_init=kernel_init, name=name,
+                     layout=cfg.layout)
 
 
 class _Attention(nn.Module):
@@ -328,7 +333,8 @@ def _get(tree: dict, path: tuple[str, ...]):
 def _hf_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
   """HF GPT-2 tensor name (without `transformer.`) -> the shape the config implies."""
   cfg = model.config
-  ours = jax.eval_shape(layers.with_scan(model).init_params, jax.random.PRNGKey(0))
+  in_out = dense_layout.with_layout(layers.with_scan(model), dense_layout.IN_OUT)   # HF's layout
+  ours = jax.eval_shape(in_out.init_params, jax.random.PRNGKey(0))
   stacked = ours[layers.STACKED]
   shapes = {name: _get(ours, path).shape for path, name in _HF_TOP.items()}
   for i in range(cfg.num_layers):
@@ -346,8 +352,8 @@ def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
   """HF GPT-2 tensors (a lazy mapping: each lookup reads one tensor) -> params on the device in
   the model dtype, in the model's layer layout (built stacked, then split if scan_layers=False).
   Names, shapes and dtypes are checked before any data is read. Conv1D weights are already
-  [in, out]; c_attn [D,3D] splits into query/key/value. Names with or without the
-  `transformer.` prefix are accepted."""
+  [in, out] (transposed for layout="out_in"); c_attn [D,3D] splits into query/key/value. Names
+  with or without the `transformer.` prefix are accepted."""
   cfg = model.config
   keys = {k.removeprefix("transformer."): k for k in tensors if not k.endswith(_HF_BUFFERS)}
   expected = {keys.get(name, name): shape for name, shape in _hf_shapes(model).items()}
@@ -356,16 +362,17 @@ def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
                           f"tie_word_embeddings={cfg.tie_word_embeddings}) match the weights?")
   read = lambda name: tensors[keys[name]]
   dt, num_layers = model.dtype, cfg.num_layers
+  orient = lambda path, x: x.T if dense_layout.transposes(path, cfg.layout) else x
   params: dict = {}
   for path, name in _HF_TOP.items():
     _set(params, path, hf_tensors.to_device(read(name), dt))
   for path, name in _HF_LAYER.items():
-    layer = lambda i: read(f"h.{i}.{name}")
+    layer = lambda i: orient(path, read(f"h.{i}.{name}"))
     _set(params, ("layers",) + path, hf_tensors.stack_layers(layer, num_layers, dt))
   for third, proj in enumerate(_QKV):
     for leaf, name in _C_ATTN.items():
-      part = lambda i: np.split(read(f"h.{i}.{name}"), 3, axis=-1)[third]    # [D, 3D] -> [D, D]
-      _set(params, ("layers", "attention", proj, leaf),
+      part = lambda i: orient((leaf,), np.split(read(f"h.{i}.{name}"), 3, axis=-1)[third])
+      _set(params, ("layers", "attention", proj, leaf),                      # [D, 3D] -> [D, D]
            hf_tensors.stack_layers(part, num_layers, dt))
   if not cfg.tie_word_embeddings:
     head = read("lm_head.weight").T                                         # [V, D] -> [D, V]
@@ -382,11 +389,14 @@ def params_to_hf(model: Decoder, params: Params) -> dict[str, np.ndarray]:
   out = {f"transformer.{name}": as_np(_get(params, path)) for path, name in _HF_TOP.items()}
   stacked = jax.tree_util.tree_map(as_np, params[layers.STACKED])            # [L, ...] leaves
   attn = stacked["attention"]
+  hf = lambda path, x: (np.ascontiguousarray(x.T) if dense_layout.transposes(path, cfg.layout)
+                        else x)                                              # Conv1D: [in, out]
   for i in range(cfg.num_layers):
     for path, name in _HF_LAYER.items():
-      out[f"transformer.h.{i}.{name}"] = _get(stacked, path)[i]
+      out[f"transformer.h.{i}.{name}"] = hf(path, _get(stacked, path)[i])
     for leaf, name in _C_ATTN.items():
-      out[f"transformer.h.{i}.{name}"] = np.concatenate([attn[p][leaf][i] for p in _QKV], -1)
+      out[f"transformer.h.{i}.{name}"] = np.concatenate(
+          [hf((leaf,), attn[p][leaf][i]) for p in _QKV], -1)
   if not cfg.tie_word_embeddings:
     out["lm_head.weight"] = np.ascontiguousarray(as_np(params["lm_head"]["kernel"]).T)
   return out

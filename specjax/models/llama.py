@@ -21,7 +21,9 @@ nested dict:
   layers/attention/{query [D,H*Dh], key, value [D,Hkv*Dh], out [H*Dh,D]}/{kernel, bias?} [L,...];
   layers/attention/{q_norm,k_norm}/scale [L,Dh] (qwen3); layers/{attention_norm,mlp_norm}/scale
   [L,D]; layers/mlp/{wi_0 (gate), wi_1 (up)}/kernel [L,D,F], layers/mlp/wo/kernel [L,F,D].
-One table (`_hf_names`) names the HF tensor of every leaf for import and export.
+The kernels under `layers` are shown [in, out]; with layout="out_in" each is [out, in]
+(models/dense_layout.py). One table (`_hf_names`) names the HF tensor of every leaf for import
+and export.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import attention, hf_tensors, layers, quant
+from specjax.models import attention, dense_layout, hf_tensors, layers, quant
 from specjax.models import kv_cache as kvc
 from specjax.models.decoder_only import DecoderOnly
 from specjax.models.sub_vocab import SubVocab
@@ -114,6 +116,8 @@ class LlamaConfig:
   scan_layers: bool = True               # stacked + nn.scan, or layers_i + a loop: models/layers.py
   head_subset: SubVocab | None = None    # the head scores only these ids (models/sub_vocab.py)
   quant: str = ""                        # "int8": int8 dense layers (models/quant.py)
+  layout: str = "in_out"                 # dense kernels [in, out] or "out_in" [out, in]; not an
+                                         # HF field (models/dense_layout.py)
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
@@ -122,6 +126,7 @@ class LlamaConfig:
       raise ValueError(f"precision '{self.precision}' is not supported; use one of {_PRECISIONS}.")
     if self.quant not in quant.QUANTS:
       raise ValueError(f"quant '{self.quant}' is not supported; use one of {quant.QUANTS}.")
+    dense_layout.check(self.layout, self.quant)
     if self.model_type not in MODEL_TYPES:
       raise ValueError(f"model_type '{self.model_type}' is not one of {MODEL_TYPES}.")
     if self.num_heads % self.num_kv_heads:
@@ -143,7 +148,7 @@ def _init(std: float):
 def _dense(cfg: LlamaConfig, features: int, use_bias: bool, name: str) -> nn.Module:
   return quant.dense(features, quant=cfg.quant, dtype=jnp.dtype(cfg.dtype),
                      precision=cfg.precision, use_bias=use_bias, kernel_init=_init(0.02),
-                     name=name)
+                     name=name, layout=cfg.layout)
 
 
 class _RMSNorm(nn.Module):
@@ -448,23 +453,26 @@ def _get(tree: dict, path: tuple[str, ...]):
   return tree
 
 
-def _to_ours(tensor: np.ndarray, path: tuple[str, ...]) -> np.ndarray:
-  """HF Linear weights are [out, in]; Dense kernels (and the LM head) [in, out]."""
-  return tensor.T if path[-1] == "kernel" else tensor
+def _transposed(cfg: LlamaConfig, path: tuple[str, ...]) -> bool:
+  """Whether the leaf at `path` is the transpose of its HF tensor: HF Linear weights are
+  [out, in]; the LM head is [D, V] and the layers' Dense kernels [in, out] in the "in_out"
+  layout, [out, in] (HF's own, no transpose) in "out_in" (models/dense_layout.py)."""
+  return path[-1] == "kernel" and (cfg.layout == dense_layout.IN_OUT or path[0] == "lm_head")
 
 
 def _read(tensors: Mapping[str, np.ndarray], name: str, path: tuple[str, ...],
-          shape: tuple[int, ...], dtype) -> np.ndarray:
+          shape: tuple[int, ...], cfg: LlamaConfig, dtype) -> np.ndarray:
   """One tensor, checked against the config's shape, as our layout in the model dtype."""
   if name not in tensors:
     raise ValueError(f"checkpoint lacks tensor '{name}': does its config.json match the "
                      f"weights?")
   tensor = np.asarray(tensors[name])
-  want = shape[::-1] if path[-1] == "kernel" else shape
+  transpose = _transposed(cfg, path)
+  want = shape[::-1] if transpose else shape
   if tensor.shape != tuple(want):
     raise ValueError(f"checkpoint tensor '{name}' has shape {tensor.shape} but the config "
                      f"implies {tuple(want)}.")
-  return _to_ours(tensor, path).astype(dtype)
+  return (tensor.T if transpose else tensor).astype(dtype)
 
 
 def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
@@ -482,21 +490,21 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
                          f"does its config.json (num_hidden_layers={cfg.num_layers}, "
                          f"tie_word_embeddings={cfg.tie_word_embeddings}) match the weights?")
   if not cfg.scan_layers:
-    return _params_unrolled(tensors, names, shapes, cfg.num_layers, dtype)
+    return _params_unrolled(tensors, names, shapes, cfg, dtype)
   params: dict = {}
   for name, path in names.items():
     shape = _get(shapes, path).shape
     if path[0] != "layers":
-      _set(params, path, jnp.asarray(_read(tensors, name, path, shape, dtype)))
+      _set(params, path, jnp.asarray(_read(tensors, name, path, shape, cfg, dtype)))
       continue
     stacked = np.empty(shape, dtype)                                           # [L, ...]
     for i in range(cfg.num_layers):
-      stacked[i] = _read(tensors, name.format(i=i), path, shape[1:], dtype)
+      stacked[i] = _read(tensors, name.format(i=i), path, shape[1:], cfg, dtype)
     _set(params, path, jnp.asarray(stacked))
   return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
 
 
-def _params_unrolled(tensors: Mapping[str, np.ndarray], names: dict, shapes, num_layers: int,
+def _params_unrolled(tensors: Mapping[str, np.ndarray], names: dict, shapes, cfg: LlamaConfig,
                      dtype) -> Params:
   """The unrolled layout (layers_0 ... layers_{L-1}) straight from the tensors: each one is put
   on the device as stored, then transposed, cast and checked for NaN / inf there in one compiled
@@ -506,16 +514,17 @@ def _params_unrolled(tensors: Mapping[str, np.ndarray], names: dict, shapes, num
   for name, path in names.items():
     shape = _get(shapes, path).shape
     per_layer = path[0] == "layers"
-    for i in range(num_layers) if per_layer else (None,):
+    transpose = _transposed(cfg, path)
+    for i in range(cfg.num_layers) if per_layer else (None,):
       hf_name, where = ((name.format(i=i), (layers.layer_name(i), *path[1:])) if per_layer
                         else (name, path))
       want = shape[1:] if per_layer else shape
       raw = hf_tensors.raw_tensor(tensors, hf_name)
-      expect = tuple(want[::-1] if path[-1] == "kernel" else want)
+      expect = tuple(want[::-1] if transpose else want)
       if raw.shape != expect:
         raise ValueError(f"checkpoint tensor '{hf_name}' has shape {raw.shape} but the config "
                          f"implies {expect}.")
-      value, bad = hf_tensors.to_param(raw, path[-1] == "kernel", jnp.dtype(dtype))
+      value, bad = hf_tensors.to_param(raw, transpose, jnp.dtype(dtype))
       checks.add(hf_name, bad)
       _set(params, where, value)
   checks.raise_if_any()
@@ -531,8 +540,9 @@ def params_to_hf(model: Llama, params: Params) -> dict[str, np.ndarray]:
     value = np.asarray(_get(params, path))
     per_layer = ([(name.format(i=i), value[i]) for i in range(model.config.num_layers)]
                  if path[0] == "layers" else [(name, value)])
+    transpose = _transposed(model.config, path)
     for hf_name, tensor in per_layer:
-      out[hf_name] = np.ascontiguousarray(_to_ours(tensor, path))   # the transpose is its inverse
+      out[hf_name] = np.ascontiguousarray(tensor.T if transpose else tensor)
   return out
 
 
@@ -558,7 +568,8 @@ def hf_config(model: Llama) -> dict:
               "qwen3": {"attention_bias": cfg.qkv_bias, "use_sliding_window": False},
               }[cfg.model_type])
   rebuilt = model_from_hf_config(out, cfg.dtype).config    # without the specjax-only settings
-  if dataclasses.replace(rebuilt, precision=cfg.precision, scan_layers=cfg.scan_layers) != cfg:
+  if dataclasses.replace(rebuilt, precision=cfg.precision, scan_layers=cfg.scan_layers,
+                         layout=cfg.layout) != cfg:
     raise ValueError(f"this LlamaConfig cannot be written as HF model_type '{cfg.model_type}' "
                      f"(its biases / qk_norm / sliding window differ from that family's): {cfg}")
   return out

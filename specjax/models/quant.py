@@ -24,6 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from specjax.models import dense_layout
+
 QUANTS = ("", "int8")      # "": the model dtype's dense layers
 _QMAX = 127.0
 
@@ -46,12 +48,16 @@ class Int8Dense(nn.Module):
 
 
 def dense(features: int, *, quant: str, dtype, precision, name: str, use_bias: bool = True,
-          kernel_init=nn.initializers.lecun_normal()) -> nn.Module:
-  """The dense layer of a model whose config says `quant` ("": nn.Dense in `dtype`)."""
+          kernel_init=nn.initializers.lecun_normal(), layout: str = "in_out") -> nn.Module:
+  """The dense layer of a model whose config says `quant` ("": float weights in `dtype`, stored
+  as `layout` says: "in_out", nn.Dense's [in, out] kernel, or "out_in", [out, in], the same
+  product: models/dense_layout.py). int8 kernels are [in, out] whatever the layout (the config
+  refuses quant="int8" with layout="out_in")."""
   if quant == "int8":
     return Int8Dense(features, use_bias=use_bias, dtype=dtype, name=name)
-  return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype,
-                  precision=precision, kernel_init=kernel_init, name=name)
+  cls = dense_layout.OutInDense if layout == dense_layout.OUT_IN else nn.Dense
+  return cls(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, precision=precision,
+             kernel_init=kernel_init, name=name)
 
 
 def int8_logits(hidden: jax.Array, vocab_size: int, subset=None) -> jax.Array:

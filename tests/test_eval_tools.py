@@ -192,6 +192,7 @@ def test_agreement_without_a_variant_is_refused(no_work, capsys):
   assert "--variant: give the variant's flags" in _error_line(capsys)
 
 
+@pytest.mark.slow     # a minute of the default run's 15; the README's eval.versus row runs by default
 def test_versus_times_methods_side_by_side_with_transformers(tmp_path):
   """eval.versus on tiny Hugging Face checkpoints with two tokenizers: specjax's target alone,
   TLI and SLEM (greedy: the target's own tokens), and transformers' target alone and its

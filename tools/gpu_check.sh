@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The accelerator check, in one command: eval.bench at real shapes (the 1.5B target with its
-# 90M draft at the defaults, profiled, against the earlier defaults and against CUDA-graph
-# command buffers for the loop; then the other shapes; then batch 8 and 32), then the whole test
-# suite, each within a time budget, everything written under OUT_DIR.
+# 90M draft at the defaults, profiled, against XLA's DotMerger on; the 7B shape, both ways;
+# CUDA-graph command buffers for the loop; then the other shapes; then batch 8 and 32), then the
+# whole test suite, each within a time budget, everything written under OUT_DIR.
 #
 #   bash tools/gpu_check.sh [OUT_DIR]          # default runs/gpu_check
 #   BENCH_S=290 SUITE_S=250 WORKERS=15 bash tools/gpu_check.sh /tmp/out
@@ -59,19 +59,20 @@ bench() {
     | grep -v '^| ---' | grep -E '^\||profile|rror'
 }
 # The defaults (bfloat16 weights at precision `default`, layers unrolled off TPU, XLA's
-# DotMerger off: specjax/__init__.py), profiled; then each earlier default as a before, in the
-# same call: DotMerger on (q/k/v weights concatenated every step), then scanned at `highest`
-# (matrix-vector products as slow reductions).
-fast=(--batches 1)
-bench --shapes "$first" "${fast[@]}" --gammas 5,7 --profile
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_dot_merger_threshold_mb=32" \
-  bench --shapes "$first" "${fast[@]}" --gammas 5,7
-bench --shapes "$first" --batches 1 --layers scan --precision highest --gammas 5,7
-# The loop as CUDA graphs: XLA's command buffers with the while loop and conditionals in them
-# (no host round trip per iteration); a separate process, as XLA_FLAGS are read at start-up.
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
-  bench --shapes "$first" "${fast[@]}" --gammas 5,7
-[ -z "$rest" ] || bench --shapes "$rest" "${fast[@]}" --gammas 3,5
+# DotMerger off: specjax/__init__.py), profiled; then the DotMerger on as the before, in the
+# same call (q/k/v weights concatenated on every step); then the 7B shape at the defaults (the
+# roofline goal) and with the merger on; then the loop as CUDA graphs (XLA's command buffers
+# with the while loop and conditionals in them: no host round trip per iteration). Each variant
+# is a separate process, as XLA_FLAGS are read at start-up; the befores measure gamma 7 only.
+merger="--xla_gpu_dot_merger_threshold_mb=32"
+graphs="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+big=${BIG:-qwen2.5-7b}
+bench --shapes "$first" --batches 1 --gammas 5,7 --profile
+XLA_FLAGS="${XLA_FLAGS:-} $merger" bench --shapes "$first" --batches 1 --gammas 7
+bench --shapes "$big" --batches 1 --gammas 7
+XLA_FLAGS="${XLA_FLAGS:-} $graphs" bench --shapes "$first" --batches 1 --gammas 7
+XLA_FLAGS="${XLA_FLAGS:-} $merger" bench --shapes "$big" --batches 1 --gammas 7
+[ -z "$rest" ] || bench --shapes "$rest" --batches 1 --gammas 3,5
 bench --shapes "$shapes" --batches 8,32 --gammas 3
 
 if [ "${SUITE_S:-250}" -gt 0 ]; then

@@ -201,8 +201,8 @@ def test_layout_choice_of_the_app(hf, monkeypatch):
     builders.model_spec({"target": {"checkpoint": str(hf[1]), "layers": "fast"}}, "target")
   no_tokenizer = types.SimpleNamespace(vocab_size=1)                          # none saved here
   monkeypatch.setattr(loading, "load_tokenizer", lambda path, override: no_tokenizer)
-  on_cpu = jax.default_backend() == "cpu"
-  for layout, scan in (("auto", not on_cpu), ("scan", True), ("unrolled", False)):
+  on_tpu = jax.default_backend() == "tpu"
+  for layout, scan in (("auto", on_tpu), ("scan", True), ("unrolled", False)):
     spec = builders.model_spec({"target": {"checkpoint": str(hf[1]), "layers": layout}}, "target")
     loaded = resolve.load(spec)
     assert loaded.model.config.scan_layers is scan and ("layers" in loaded.params) is scan

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -81,16 +78,3 @@ def test_a_checkpoint_loaded_in_bfloat16_runs_at_precision_default(tmp_path):
   assert (half.dtype, half.precision) == ("bfloat16", "default")
   asked = hf_import.load_model(str(tmp_path), dtype="bfloat16", precision="highest")[0].config
   assert asked.precision == "highest"
-
-
-@pytest.mark.parametrize("given, want", [
-    ("", "--xla_gpu_dot_merger_threshold_mb=0"),
-    ("--xla_force_host_platform_device_count=2",
-     "--xla_force_host_platform_device_count=2 --xla_gpu_dot_merger_threshold_mb=0"),
-    ("--xla_gpu_dot_merger_threshold_mb=32", "--xla_gpu_dot_merger_threshold_mb=32")])
-def test_importing_specjax_turns_xlas_dot_merger_off_unless_the_user_set_it(given, want):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update({"XLA_FLAGS": given} if given else {})
-  out = subprocess.run([sys.executable, "-c", "import os, specjax; print(os.environ['XLA_FLAGS'])"],
-                       env=env, capture_output=True, text=True, check=True)
-  assert out.stdout.strip() == want

@@ -17,7 +17,13 @@ from specjax.decoding import speculative as loop
 from specjax.models import Prompt, layers, quant
 from specjax.sampling import Warp
 
+# The product's value is checked on CPU only, where specjax.load allows int8: on an H200 (jax
+# 0.11.2, commit 5707400) XLA:GPU's s8 x s8 -> s32 dot returned twice the product.
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu",
+                              reason="int8 is refused off the CPU (specjax.load)")
 
+
+@cpu_only
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_the_int8_product_approximates_float32(rows):
   rng = np.random.RandomState(rows)
@@ -36,6 +42,7 @@ def _quantized(model, params):
                                      model.config.tie_word_embeddings)
 
 
+@cpu_only
 @pytest.mark.parametrize("scan", [True, False])
 def test_a_quantized_decoder_tracks_its_float_twin(scan):
   model, params = testing.tiny_decoder(seed=1, vocab_size=32, num_layers=2)

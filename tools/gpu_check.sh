@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The accelerator check, in one command: eval.bench at real shapes (the 1.5B target with its
-# 90M draft at the defaults, profiled, against XLA's DotMerger on; the 7B shape, both ways;
-# CUDA-graph command buffers for the loop; then the other shapes; then batch 8 and 32), then the
-# whole test suite, each within a time budget, everything written under OUT_DIR.
+# 90M draft at the defaults, profiled; the 7B shape; CUDA-graph command buffers for the loop;
+# then the other shapes; then batch 8 and 32), then the whole test suite, each within a time
+# budget, everything written under OUT_DIR.
 #
 #   bash tools/gpu_check.sh [OUT_DIR]          # default runs/gpu_check
 #   BENCH_S=290 SUITE_S=250 WORKERS=15 bash tools/gpu_check.sh /tmp/out
@@ -58,20 +58,26 @@ bench() {
     --output_md "$out/bench.md" --alpha "${ALPHA:-0.9}" "$@" ${BENCH_ARGS:-} 2>&1 \
     | grep -v '^| ---' | grep -E '^\||profile|rror'
 }
-# The defaults (bfloat16 weights at precision `default`, layers unrolled off TPU, XLA's
-# DotMerger off: specjax/__init__.py), profiled; then the DotMerger on as the before, in the
-# same call (q/k/v weights concatenated on every step); then the 7B shape at the defaults (the
-# roofline goal) and with the merger on; then the loop as CUDA graphs (XLA's command buffers
-# with the while loop and conditionals in them: no host round trip per iteration). Each variant
-# is a separate process, as XLA_FLAGS are read at start-up; the befores measure gamma 7 only.
-merger="--xla_gpu_dot_merger_threshold_mb=32"
+# The defaults (bfloat16 weights at precision `default`, layers unrolled off TPU), profiled;
+# the 7B shape (the roofline goal); then the loop as CUDA graphs (XLA's command buffers with the
+# while loop and conditionals in them: no host round trip per iteration), a separate process as
+# XLA_FLAGS are read at start-up, at gamma 7 only.
 graphs="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 big=${BIG:-qwen2.5-7b}
 bench --shapes "$first" --batches 1 --gammas 5,7 --profile
-XLA_FLAGS="${XLA_FLAGS:-} $merger" bench --shapes "$first" --batches 1 --gammas 7
 bench --shapes "$big" --batches 1 --gammas 7
+# XLA's optimized HLO of a short run, to read what each profiled kernel fuses (the largest
+# modules only: the decoding loops), in a JSON file of its own as its flags differ.
+if [ "$(left)" -gt 60 ] && [ -z "${ALLOW_CPU:-}" ]; then
+  echo "== the optimized HLO of $first"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text" timeout "$(left)" \
+    python3 -m eval.bench --output_json "$out/hlo.json" --shapes "$first" --batches 1 \
+    --gammas 7 --new_tokens 8 --repeats 1 --probe_steps 1 >/dev/null 2>&1
+  find "$out/hlo" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null
+  find "$out/hlo" -type f -size -200k -delete 2>/dev/null
+  ls "$out/hlo" 2>/dev/null | head -20
+fi
 XLA_FLAGS="${XLA_FLAGS:-} $graphs" bench --shapes "$first" --batches 1 --gammas 7
-XLA_FLAGS="${XLA_FLAGS:-} $merger" bench --shapes "$big" --batches 1 --gammas 7
 [ -z "$rest" ] || bench --shapes "$rest" --batches 1 --gammas 3,5
 bench --shapes "$shapes" --batches 8,32 --gammas 3
 

@@ -233,9 +233,11 @@ def test_temperature_and_top_p_are_traced_not_compiled_in(models):
   assert other.tokens != first.tokens               # ... with the new values in it
 
 
-@pytest.mark.parametrize("rule,values", [("lenient", {"eps": (1.0, 0.05)}),
-                                         ("fuzzy", {"threshold": (0.0, 0.9)})])
-def test_rule_hyperparameters_are_traced_not_compiled_in(models, rule, values):
+@pytest.mark.parametrize("rule,values,rises", [
+    ("lenient", {"eps": (1.0, 0.05)}, "acceptance_rate"),
+    ("fuzzy", {"threshold": (0.0, 0.9)}, "acceptance_rate"),
+    ("adaptive", {"max_window": (1, 3)}, "block_efficiency")])
+def test_rule_hyperparameters_are_traced_not_compiled_in(models, rule, values, rises):
   (name, (a, b)), = values.items()
   first = specjax.generate(models["target"], PROMPTS[:2], draft=models["draft"], rule=rule,
                            max_new_tokens=8, **{name: a})
@@ -244,7 +246,7 @@ def test_rule_hyperparameters_are_traced_not_compiled_in(models, rule, values):
   other = specjax.generate(models["target"], PROMPTS[:2], draft=models["draft"], rule=rule,
                            max_new_tokens=8, **{name: b})
   assert clock.seconds() == before
-  assert other.stats["acceptance_rate"] > first.stats["acceptance_rate"]   # the value is used
+  assert other.stats[rises] > first.stats[rises]          # the value is used
 
 
 def test_one_call_compiles_one_loop_whatever_its_prompt_lengths(models):
@@ -329,7 +331,8 @@ def _compiles(call):
   return out, clock.seconds() - before
 
 
-@pytest.mark.parametrize("one_call,gamma", [(False, 3), (True, 2)])   # gamma: programs apart
+@pytest.mark.parametrize("one_call,gamma",                     # gamma: programs apart
+                         [(False, 3), pytest.param(True, 2, marks=pytest.mark.slow)])
 def test_max_new_tokens_of_one_bucket_compiles_once(models, one_call, gamma):
   """max_new_tokens is traced within its bucket (20 and 30: 32): the second compiles nothing,
   stops at exactly its limit and gives the tokens of a fresh decoder; 40 (bucket 64) compiles
@@ -366,7 +369,7 @@ def test_top_k_of_one_bucket_compiles_once(models):
   assert four.tokens == fresh.tokens
 
 
-@pytest.mark.parametrize("draft", [None, "draft", "ngram"])
+@pytest.mark.parametrize("draft", [None, "draft", pytest.param("ngram", marks=pytest.mark.slow)])
 def test_greedy_output_with_a_limit_is_the_start_of_a_longer_run(models, draft):
   """Whatever its bucket, max_new_tokens=N ends a greedy row after exactly its first N tokens
   (or at EOS)."""

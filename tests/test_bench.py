@@ -30,6 +30,7 @@ def _pair(name: str, tmp_path, scale: int = 16):
           shapes.build(d_cfg, tmp_path / "d", 1, dtype="float32"))
 
 
+@pytest.mark.slow   # 27 s; the README's eval.bench row runs a small bench by default
 def test_a_small_run_writes_its_records_and_a_second_run_resumes(tmp_path, capsys):
   out, md = tmp_path / "bench.json", tmp_path / "bench.md"
   argv = [*SMALL, "--shapes", "qwen-coder-1.5b-90m", "--peak", "0.1,1",

@@ -139,6 +139,7 @@ print("same")
 """
 
 
+@pytest.mark.slow   # 23 s; sharded speculative decoding with a draft model runs by default
 def test_prompt_lookup_on_a_mesh_gives_the_one_device_tokens():
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}

@@ -101,10 +101,12 @@ def _pvalue(rule) -> float:
   return testing.chi_square_pvalue(_law(target, tparams, warp), counts)
 
 
+@pytest.mark.slow   # the law test and its broken twin: 30 s (greedy on int8 runs by default)
 def test_exact_sd_keeps_the_quantized_targets_law():
   assert _pvalue(registry.get("exact")) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_broken_rule_fails_the_same_law_test():
   assert _pvalue(testing.ResampleFromP()) < 1e-6
 

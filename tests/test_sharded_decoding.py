@@ -333,6 +333,7 @@ def test_sharded_speculative_equals_one_device_and_keeps_the_cache_in_place():
   assert "all-reduce" in kinds                     # row-parallel matmuls sum over 'model'
 
 
+@pytest.mark.slow   # 30 s; the in_out layout on the same meshes runs by default
 def test_sharded_out_in_layout_equals_one_device():
   """The same Llama pair with its dense kernels stored [out, in] (models/dense_layout.py): the
   rules split each kernel along its swapped axes, and the 2x4 mesh gives the one-device tokens

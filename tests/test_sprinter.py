@@ -105,7 +105,7 @@ def test_broken_residual_fails_the_same_test(monkeypatch):
   """Power: resampling from p instead of the residual must be detected."""
   monkeypatch.setattr(loop.base, "residual_log_probs", lambda p, q: p)
   gen = _gen(TokenVerifier(), A_TOKEN, _many([1, 2]), jax.random.PRNGKey(0), max_new_tokens=3,
-             threshold=0.4999)                                # another static setup: retrace
+             gamma_max=4)        # another static setup (the chunk's width), the same law: retrace
   table = general_law_table(TARGET["table"], DRAFT["table"], A_TOKEN)
   assert _pvalue(BIGRAM, table, gen, [1, 2], 3) < 1e-6
 
@@ -247,14 +247,15 @@ def test_lazy_target_chunks_and_draft_state_equal_a_full_recompute(features):
   verifier = RateVerifier(features=features, hidden_size=draft.hidden_size)
   rows, width = [[3, 5, 7], [4], [9, 8, 7, 6, 5]], 24
   prompt = Prompt.from_lists(rows)
-  setup = loop._validate(target, draft, verifier, prompt, threshold=0.5, gamma_max=3,
-                         max_new_tokens=10, warp=Warp(), eos_id=None, max_len=None)
+  setup, knobs = loop.split_knobs(loop._validate(
+      target, draft, verifier, prompt, threshold=0.5, gamma_max=3, max_new_tokens=10, warp=Warp(),
+      eos_id=None, max_len=None))
   params = (tparams, dparams, {"a": jnp.float32(0.6)})
   state, anchors = loop._init_jit(setup, params, prompt,
-                                  sampling.row_keys(jax.random.PRNGKey(11), 3))
+                                  sampling.row_keys(jax.random.PRNGKey(11), 3), knobs)
   fresh = jax.jit(lambda m, p, pr: m.prefill(p, pr, m.init_cache(3, width)), static_argnums=0)
   for _ in range(10):
-    state = loop._step_jit(setup, params, anchors, state)
+    state = loop._step_jit(setup, params, anchors, state, knobs)
     streams = [r + np.asarray(state.tokens[b, :int(state.lengths[b])]).tolist()
                for b, r in enumerate(rows)]
     full = Prompt.from_lists(streams, pad_to=width)
@@ -297,3 +298,17 @@ def test_a_damaged_verifier_file_is_named(tmp_path, text, reason):
   with pytest.raises(vlib.VerifierFileError, match=reason) as info:
     vlib.load(tmp_path)
   assert str(info.value).startswith(f"the verifier file {tmp_path / 'verifier.json'} is damaged")
+
+
+def test_warp_threshold_and_limit_are_traced_not_compiled_in():
+  """Another temperature, threshold or max_new_tokens of the same bucket (16) reuses the compiled
+  loop, and each value is used: a row stops at exactly its limit."""
+  prompt, key = Prompt.from_lists(ROWS), jax.random.PRNGKey(11)
+  first = _gen(RateVerifier(), 0.5, prompt, key, max_new_tokens=9, eos_id=None)
+  before = loop.run._cache_size()
+  other = _gen(RateVerifier(), 0.5, prompt, key, max_new_tokens=12, eos_id=None, threshold=0.7,
+               warp=Warp(temperature=0.5))
+  assert loop.run._cache_size() == before
+  assert np.asarray(first.lengths).tolist() == [9] * len(ROWS)
+  assert np.asarray(other.lengths).tolist() == [12] * len(ROWS)
+  assert not np.array_equal(np.asarray(first.tokens)[:, :9], np.asarray(other.tokens)[:, :9])

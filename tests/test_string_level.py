@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -212,3 +213,19 @@ def test_slrs_real_models_runs(real):
                     max_new_tokens=3, max_depth=2, warp=sampling.Warp(top_k=8), eos_id=None)
   assert len(got.tokens) == 3 and int(got.stats.emitted[0]) == 3
   assert int(got.stats.target_passes[0]) == 3
+
+
+def test_slem_reuses_its_programs_across_temperatures_and_limits(real):
+  """The warp is traced and the caches are sized for the buckets of the prompt and max_new_tokens:
+  another temperature, or a limit or prompt of the same buckets, compiles nothing."""
+  ttok, _, target, _, draft, _ = real
+  models = (target, draft)
+  assert sl.default_capacity(models, 10, 9, 3) == sl.default_capacity(models, 14, 12, 3)
+  assert sl.default_capacity(models, 10, 9, 3) < sl.default_capacity(models, 10, 17, 3)
+  logits = jnp.zeros((4, ttok.vocab_size), jnp.float32)
+  sample = lambda t: sl._sample_positions(sampling.Warp(temperature=t), logits, jnp.int32(0),
+                                          jax.random.PRNGKey(0), jnp.int32(0))
+  sample(1.0)
+  before = sl._sample_positions._cache_size()
+  sample(0.5)
+  assert sl._sample_positions._cache_size() == before

@@ -79,6 +79,8 @@ class Adaptive(base.Rule):
   tau_v_rule: str = "midpoint"
   record: str = "final"
   variable_length: ClassVar[bool] = True   # the entropy stop ends a row's drafts
+  # The windows and initial thresholds are compared, never shapes: a sweep compiles once.
+  traced: ClassVar[tuple[str, ...]] = ("max_window", "min_window", "tau_g_init", "tau_v_init")
 
   def __post_init__(self):
     if not 1 <= self.min_window <= self.max_window:

@@ -33,7 +33,7 @@ import numpy as np
 
 from specjax import sampling
 from specjax.decoding.state import (DRAFT, TARGET, Reserve, SpecStats, check_finite,
-                                    nonfinite_rows, stop_ids)
+                                    new_tokens_bucket, nonfinite_rows, stop_ids)
 from specjax.models import kv_cache, prompting
 
 MAX_CANDIDATES = 31          # a verify pass covers at most this many candidates (bucket 32)
@@ -143,7 +143,7 @@ def _feed(model, params, cache, feed, start, count):
           nonfinite_rows(logits)[0])
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@jax.jit
 def _sample_positions(warp, logits, first, row_key, g):
   """y_j from logits[first + j] with key fold_in(row_key, g + j): the autoregressive keys."""
   idx = jnp.minimum(first + jnp.arange(logits.shape[0]), logits.shape[0] - 1)
@@ -152,7 +152,7 @@ def _sample_positions(warp, logits, first, row_key, g):
   return warp.sample(logits[idx], keys)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(jax.jit, static_argnums=(0, 2))
 def _draft_steps(model, warp, k, params, cache, last_logits, key):
   """Sample d_1 from last_logits, then k-1 more draft steps; d_k is sampled but not fed.
   Returns (tokens [k], cache, whether a step's logits held NaN / +inf)."""
@@ -168,7 +168,7 @@ def _draft_steps(model, warp, k, params, cache, last_logits, key):
   return jax.lax.fori_loop(1, k, body, (tokens, cache, jnp.bool_(False)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=0)
 def _tree_logprobs(model, warp, params, cache, feed, count):
   """One row of the cache tiled over N paths: feed [N, W] -> warped log-probs [N, V] at count-1."""
   n = feed.shape[0]
@@ -475,6 +475,17 @@ def reserve(gamma: int) -> Reserve:
   return Reserve(per_token=1, fixed=gamma + 1, what=f"gamma {gamma} + 1")
 
 
+def default_capacity(models, prompt_len: int, max_new_tokens: int, gamma: int) -> int:
+  """Both caches' size when the caller gives none: room for a draft stream about 3x the
+  target's, cut to the models' position tables. Sized for the buckets of the prompt and of
+  max_new_tokens, so that the values of one bucket share the compiled programs (whose caches have
+  this size). Example: a 10-token prompt, 9 or 12 new tokens, gamma 3 -> 16 + 3 * 16 + 3 + 32."""
+  limits = [getattr(getattr(m, "config", None), "n_positions", None) for m in models]
+  want = (prompting.bucket(prompt_len, minimum=16) + 3 * new_tokens_bucket(max_new_tokens)
+          + gamma + 32)
+  return min([want] + [n for n in limits if n])
+
+
 def generate(target, target_params, target_tok, draft, draft_params, draft_tok, x_t: list[int],
              x_d: list[int], key: jax.Array, *, method: str = "slem", gamma: int = 4,
              max_new_tokens: int = 32,
@@ -494,10 +505,8 @@ def generate(target, target_params, target_tok, draft, draft_params, draft_tok, 
     raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got {gamma!r}")
   eos_id = stop_ids(eos_id)
   x_t, x_d = [int(t) for t in x_t], [int(t) for t in x_d]
-  if not max_len:    # room for a draft stream ~3x the target's; capped by position tables
-    limits = [getattr(getattr(m, "config", None), "n_positions", None) for m in (target, draft)]
-    max_len = min([max(len(x_t), len(x_d)) + 3 * max_new_tokens + gamma + 32]
-                  + [n for n in limits if n])
+  max_len = max_len or default_capacity((target, draft), max(len(x_t), len(x_d)),
+                                         max_new_tokens, gamma)
   backend = ModelBackend(target, target_params, draft, draft_params, warp, key, max_len)
   seed = int(jax.random.randint(jax.random.fold_in(key, 0x51), (), 0, 2**31 - 1))
   s = run(backend, target_tok, draft_tok, x_t, x_d, method=method, gamma=gamma,

@@ -23,6 +23,10 @@ verifier (random test verifiers only).
 
 With `mesh=` the same `loop` runs sharded (decoding/sharded.py); the verifier's params are
 replicated.
+
+The warp, the threshold and max_new_tokens are traced (`knobs`), as in the speculative loop: the
+program is compiled for max_new_tokens' bucket (state.new_tokens_bucket), so another
+temperature, top_p, threshold or limit of the same bucket reuses it.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ from specjax.acceptance import base
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
 from specjax.decoding.state import (DRAFT, STAT_FIELDS, TARGET, Generation, SpecStats,
-                                    Reserve, is_stop, nonfinite_rows, run_loop, stop_ids,
-                                    write_rows)
+                                    Reserve, auto_capacity, is_stop, new_tokens_bucket,
+                                    nonfinite_rows, run_loop, stop_ids, write_rows)
 from specjax.models import Prompt, prompting
 from specjax.models import kv_cache
 
@@ -85,14 +89,15 @@ class Setup:
   draft: Any
   verifier: Any         # a Verifier, or any frozen object with .features ("A" | "B") and
                         # .score(params, hidden[B, D], keys[B]) -> [B] (test verifiers)
-  threshold: float
+  threshold: Any        # float; traced in a compiled call (None in the jit key)
   cap: int              # consecutive verifier accepts before a forced target call
   width: int            # target chunk width: the most pending tokens a row can have
-  max_new: int
-  warp: sampling.Warp
+  max_new: int          # the token buffer: new_tokens_bucket(max_new_tokens)
+  warp: sampling.Warp   # traced in a compiled call (None in the jit key)
   eos: tuple[int, ...]  # stop ids; (): none
   max_len: int          # cache capacity of both models
   mesh: Any = None      # a ('data', 'model') Mesh: the loop runs sharded over it
+  limit: Any = None     # max_new_tokens itself (<= max_new); traced, None in the jit key
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -130,24 +135,27 @@ def generate(target, target_params, draft, draft_params, verifier, verifier_para
   """
   setup = _validate(target, draft, verifier, prompt, threshold=threshold, gamma_max=gamma_max,
                     max_new_tokens=max_new_tokens, warp=warp, eos_id=eos_id, max_len=max_len)
-  setup = dataclasses.replace(setup, mesh=mesh)
+  setup, knobs = split_knobs(dataclasses.replace(setup, mesh=mesh))
   keys = sampling.as_row_keys(key, prompt.tokens.shape[0])
   params = (target_params, draft_params, verifier_params)
 
   def start():                      # debug: one jitted step per call (blocks is always 1)
-    state, anchors = _init_jit(setup, params, prompt, keys)
-    return state, lambda s, blocks: _step_jit(setup, params, anchors, s)
+    state, anchors = _init_jit(setup, params, prompt, keys, knobs)
+    return state, lambda s, blocks: _step_jit(setup, params, anchors, s, knobs)
 
-  return run_loop(lambda: run(setup, params, prompt, keys), start,
+  return run_loop(lambda: run(setup, params, prompt, keys, knobs), start,
                   lambda: sharded.generate(loop, setup, (target, draft, None), params, (prompt,),
-                                           keys),
+                                           keys, knobs),
                   mesh=mesh, max_new=max_new_tokens, models=(target, draft), debug=debug)
 
 
-def reserve(gamma_max: int, max_new_tokens: int) -> Reserve:
+def reserve(gamma_max: int | None, max_new_tokens: int) -> Reserve:
   """New tokens and one target chunk of up to gamma_max + 1 (a run of verifier accepts and the
-  token after it; never more than max_new_tokens)."""
-  width = min(gamma_max, max_new_tokens - 1) + 1
+  token after it; None: no cap), never wider than the bucket of max_new_tokens, for which the
+  loop is compiled."""
+  bucket = new_tokens_bucket(max_new_tokens)
+  cap = bucket if gamma_max is None else min(int(gamma_max), bucket)
+  width = min(cap, bucket - 1) + 1
   return Reserve(per_token=1, fixed=width, what=f"a target chunk of gamma_max + 1 = {width}")
 
 
@@ -165,29 +173,46 @@ def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_
                                 not isinstance(gamma_max, numbers.Integral) or gamma_max < 0):
     raise ValueError(f"gamma_max (consecutive verifier accepts before a forced target call) "
                      f"must be an integer >= 0 or None (no cap), got {gamma_max!r}")
-  # run_len <= g <= max_new - 1 at any step, so a cap of max_new never binds.
-  cap = max_new_tokens if gamma_max is None else min(int(gamma_max), max_new_tokens)
-  room = reserve(cap, max_new_tokens)
+  # run_len <= g <= max_new_tokens - 1 at any step, so a cap of the bucket never binds; the
+  # chunk's width is the bucket's, so that every limit of the bucket shares the program.
+  bucket = new_tokens_bucket(max_new_tokens)
+  cap = bucket if gamma_max is None else min(int(gamma_max), bucket)
+  room = reserve(gamma_max, max_new_tokens)
   width = room.fixed
-  need = room.need(max(prompting.prefix_len(target, prompt), prompting.prefix_len(draft, prompt)),
-                   max_new_tokens)
-  max_len = need if max_len is None else int(max_len)
-  kv_cache.check_capacity(need, max_len, f"prompt + max_new_tokens + gamma_max + 1 ({width})")
+  prefix = max(prompting.prefix_len(target, prompt), prompting.prefix_len(draft, prompt))
+  need = room.need(prefix, max_new_tokens)
+  if max_len is None:
+    max_len = auto_capacity(need, room.need(prefix, bucket), (target, draft))
+  kv_cache.check_capacity(need, int(max_len), f"prompt + max_new_tokens + gamma_max + 1 ({width})")
   return Setup(target=target, draft=draft, verifier=verifier, threshold=float(threshold),
-               cap=cap, width=width, max_new=max_new_tokens, warp=warp,
-               eos=stop_ids(eos_id), max_len=max_len)
+               cap=cap, width=width, max_new=bucket, warp=warp, eos=stop_ids(eos_id),
+               max_len=int(max_len), limit=max_new_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def run(setup: Setup, params, prompt: Prompt, keys: jax.Array) -> SeqState:
+def run(setup: Setup, params, prompt: Prompt, keys: jax.Array, knobs) -> SeqState:
   """The whole generation as one compiled call; returns the final state (caches included).
-  params = (target_params, draft_params, verifier_params)."""
-  return loop(setup, params, (prompt,), keys)
+  params = (target_params, draft_params, verifier_params); knobs = (warp, limit, threshold),
+  traced (the setup's own are ignored)."""
+  return loop(setup, params, (prompt,), keys, knobs)
 
 
-def loop(setup: Setup, params, prompts, keys: jax.Array) -> SeqState:
+def split_knobs(setup: Setup) -> tuple[Setup, tuple]:
+  """(the static setup, the traced knobs (warp, limit, threshold) a compiled call takes)."""
+  knobs = (setup.warp, np.int32(setup.limit), np.float32(setup.threshold))
+  return dataclasses.replace(setup, warp=None, limit=None, threshold=None), knobs
+
+
+def with_knobs(setup: Setup, knobs) -> Setup:
+  """The setup with the traced (warp, limit, threshold) of a compiled call in it."""
+  warp, limit, threshold = knobs
+  return dataclasses.replace(setup, warp=warp, limit=limit, threshold=threshold)
+
+
+def loop(setup: Setup, params, prompts, keys: jax.Array, knobs) -> SeqState:
   """`run` before jit (decoding/sharded.py jits it with explicit shardings); prompts = (the
   prompt,). With setup.mesh the state is pinned to its shardings every step."""
+  setup = with_knobs(setup, knobs)
   state, anchors = init(setup, params, prompts[0], keys)
   one_step = functools.partial(step, setup, params, anchors)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
@@ -317,10 +342,13 @@ def _commit(setup: Setup, s: SeqState, live, y, need) -> SeqState:
   """Write y at each live row's length; done at EOS or max_new_tokens."""
   write_at = jnp.where(live, s.lengths, setup.max_new)                   # max_new: dropped
   lengths = s.lengths + live
-  done = s.done | (live & (is_stop(y, setup.eos) | (lengths >= setup.max_new)))
+  done = s.done | (live & (is_stop(y, setup.eos) | (lengths >= setup.limit)))
   return s.replace(tokens=write_rows(s.tokens, write_at, y), lengths=lengths,
                    done=done, run_len=jnp.where(need, 0, s.run_len + live))
 
 
-_init_jit = jax.jit(init, static_argnums=0)
-_step_jit = jax.jit(step, static_argnums=0, donate_argnums=3)
+_init_jit = jax.jit(lambda setup, params, prompt, keys, knobs:
+                    init(with_knobs(setup, knobs), params, prompt, keys), static_argnums=0)
+_step_jit = jax.jit(lambda setup, params, anchors, s, knobs:
+                    step(with_knobs(setup, knobs), params, anchors, s),
+                    static_argnums=0, donate_argnums=3)

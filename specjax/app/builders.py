@@ -158,12 +158,13 @@ class ModelSpec:
   preset: str = ""               # decoder presets: target / draft (DistillSpec LM1B sizes)
   fields: tuple = ()             # (name, value) architecture fields
   layers: str = "auto"           # auto | scan | unrolled
-  quant: str = ""                # "int8": int8 dense layers (models/quant.py)
+  quant: str = ""                # "int8": int8 dense layers (models/quant.py); "auto": per machine
   layout: str = "auto"           # auto | in_out | out_in
 
   def __post_init__(self):
-    if self.quant not in ("", "int8"):
-      raise ValueError(f"quant={self.quant!r}: use int8, or '' for {self.dtype} weights")
+    if self.quant not in ("", "int8", "auto"):
+      raise ValueError(f"quant={self.quant!r}: use int8, auto (int8 where this machine runs it "
+                       f"faster) or '' for {self.dtype} weights")
     if self.layers not in model_layers.LAYOUTS:
       raise ValueError(f"layers={self.layers!r}: use one of {', '.join(model_layers.LAYOUTS)}")
     if self.layout not in DENSE_LAYOUTS:

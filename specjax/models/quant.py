@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from specjax.models import dense_layout
 
 QUANTS = ("", "int8")      # "": the model dtype's dense layers
+_QMAX = 127.0
 AUTO = "auto"              # a loader's choice per machine: `choose`
 # XLA:CPU's int8 product runs on VNNI's dot-product instructions where the CPU has them; there a
 # verify pass and a decoding step cost less in int8 than in float32 (docs/results.md, int8).
@@ -45,7 +46,6 @@ def choose(backend: str, cpu_flags: str, quantizable: bool) -> tuple[str, str]:
   if not found:
     return "", "this CPU has no VNNI, where int8 was not measured faster"
   return "int8", f"this CPU multiplies int8 with VNNI ({found[0]})"
-_QMAX = 127.0
 
 
 class Int8Dense(nn.Module):

@@ -154,9 +154,14 @@ def reserve(gamma_max: int | None, max_new_tokens: int) -> Reserve:
   token after it; None: no cap), never wider than the bucket of max_new_tokens, for which the
   loop is compiled."""
   bucket = new_tokens_bucket(max_new_tokens)
-  cap = bucket if gamma_max is None else min(int(gamma_max), bucket)
-  width = min(cap, bucket - 1) + 1
+  width = min(_cap(gamma_max, bucket), bucket - 1) + 1
   return Reserve(per_token=1, fixed=width, what=f"a target chunk of gamma_max + 1 = {width}")
+
+
+def _cap(gamma_max: int | None, bucket: int) -> int:
+  """Consecutive verifier accepts before a forced target call: run_len <= g <= max_new_tokens - 1
+  at any step, so a cap of the bucket never binds (None: no cap)."""
+  return bucket if gamma_max is None else min(int(gamma_max), bucket)
 
 
 def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_tokens, warp,
@@ -173,10 +178,9 @@ def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_
                                 not isinstance(gamma_max, numbers.Integral) or gamma_max < 0):
     raise ValueError(f"gamma_max (consecutive verifier accepts before a forced target call) "
                      f"must be an integer >= 0 or None (no cap), got {gamma_max!r}")
-  # run_len <= g <= max_new_tokens - 1 at any step, so a cap of the bucket never binds; the
-  # chunk's width is the bucket's, so that every limit of the bucket shares the program.
+  # The chunk's width is the bucket's, so that every limit of the bucket shares the program.
   bucket = new_tokens_bucket(max_new_tokens)
-  cap = bucket if gamma_max is None else min(int(gamma_max), bucket)
+  cap = _cap(gamma_max, bucket)
   room = reserve(gamma_max, max_new_tokens)
   width = room.fixed
   prefix = max(prompting.prefix_len(target, prompt), prompting.prefix_len(draft, prompt))

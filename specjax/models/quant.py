@@ -12,8 +12,13 @@ is padded to two rows (the extra row costs nothing next to the weights' bytes).
 What is quantized: every Dense kernel of the transformer layers (attention q/k/v/out, the MLP)
 and the output layer (a tied head gets an int8 copy of the embedding table, [D, V]: at a quarter
 of float32's bytes it is read once per step where the float table was). The embedding table
-stays in the model dtype for the input lookup, which reads one row per token. Speculative decoding is exact
-relative to the quantized target: it is just another target.
+stays in the model dtype for the input lookup, which reads one row per token.
+
+Speculative decoding treats the quantized target as any other, but the quantized model is not
+one function of its input across pass widths: a verify pass and a one-position step differ in
+the last bits of their float parts, and rounding activations to int8 now and then turns that
+into another integer, so greedy SD can leave the int8 target's own tokens at a near-tie
+(docs/results.md, int8).
 """
 
 from __future__ import annotations

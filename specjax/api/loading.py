@@ -41,7 +41,6 @@ DENSE_LAYOUTS = ("auto",) + dense_layout.LAYOUTS
 LAYOUT_CACHE = "dense_layout.json"    # under cache_dir(): layout_choice's measurements
 LAYOUT_ENV = "SPECJAX_DENSE_LAYOUT"   # in_out | out_in: what "auto" resolves to, not measured
 QUANT_ENV = "SPECJAX_QUANT"           # int8 | off: what quant="auto" resolves to
-QUANTS = quant_lib.QUANTS + (quant_lib.AUTO,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +153,7 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
     raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
   if layers not in layouts.LAYOUTS:
     raise ValueError(f"layers={layers!r}: use one of {', '.join(layouts.LAYOUTS)}")
-  if quant not in QUANTS:
+  if quant not in quant_lib.CHOICES:
     raise ValueError(f"quant={quant!r}: use int8, auto (int8 where this machine runs it "
                      f"faster) or '' for {dtype} weights")
   if layout not in DENSE_LAYOUTS:

@@ -23,6 +23,7 @@ from specjax.app.config import ConfigError
 from specjax.distill import data as distill_data
 from specjax.distill.trainer import TrainConfig
 from specjax.models import decoder, dense_layout, t5
+from specjax.models import quant as quant_lib
 from specjax.models import layers as model_layers
 
 
@@ -162,7 +163,7 @@ class ModelSpec:
   layout: str = "auto"           # auto | in_out | out_in
 
   def __post_init__(self):
-    if self.quant not in ("", "int8", "auto"):
+    if self.quant not in quant_lib.CHOICES:
       raise ValueError(f"quant={self.quant!r}: use int8, auto (int8 where this machine runs it "
                        f"faster) or '' for {self.dtype} weights")
     if self.layers not in model_layers.LAYOUTS:

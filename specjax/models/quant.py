@@ -34,6 +34,7 @@ from specjax.models import dense_layout
 QUANTS = ("", "int8")      # "": the model dtype's dense layers
 _QMAX = 127.0
 AUTO = "auto"              # a loader's choice per machine: `choose`
+CHOICES = QUANTS + (AUTO,)  # what a loader or a config section accepts
 # XLA:CPU's int8 product runs on VNNI's dot-product instructions where the CPU has them; there a
 # verify pass and a decoding step cost less in int8 than in float32 (docs/results.md, int8).
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni")

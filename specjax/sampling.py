@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_pytree_node_class
@@ -23,34 +24,51 @@ class Warp:
   temperature 0 means greedy: a one-hot argmax distribution (log-prob 0 at the argmax, -inf
   elsewhere), so that ratio tests and residuals need no special case. top_k 0 and top_p 1 are off.
 
+  Each value is one number for every row, or a tuple with one per row of the batch (a row's
+  value applies to that row alone, as vLLM's per-request sampling parameters): logits of shape
+  [B, ..., V] then meet value b on row b. Rows may mix greedy (0) and sampled temperatures, and
+  top_k / top_p on and off.
+
   A pytree: temperature, top_k and top_p are its leaves, so the decoding loops take a Warp as a
   traced argument and another temperature, top_p or top_k reuses the compiled program. What
-  changes the program is static (the tree's aux data): greedy or not, top_p on or off, and
-  top_k's bucket k_max (top_k_bucket: 0 when off, else the next power of two), since lax.top_k
-  needs a static k and a traced one would sort the whole vocabulary at every step: the loop
-  takes the k_max largest logits and keeps those >= the k-th of them (top_k 3 and 4 share one
-  program, 5 compiles another).
+  changes the program is static (the tree's aux data): greedy or not (every row greedy), top_p
+  on or off (for any row), top_k's bucket k_max (top_k_bucket of the largest row value: 0 when
+  off, else the next power of two), and whether values are per row. lax.top_k needs a static
+  k and a traced one would sort the whole vocabulary at every step: the loop takes the k_max
+  largest logits and keeps those >= the k-th of them (top_k 3 and 4 share one program, 5
+  compiles another).
   """
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
+  temperature: float | tuple[float, ...] = 1.0
+  top_k: int | tuple[int, ...] = 0
+  top_p: float | tuple[float, ...] = 1.0
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+    temperature = _values("temperature", self.temperature, float)
+    top_k = _values("top_k", self.top_k, int)
+    top_p = _values("top_p", self.top_p, float)
+    rows = {len(v) for v in (temperature, top_k, top_p) if isinstance(v, tuple)}
+    if len(rows) > 1:
+      raise ValueError(f"per-row values of different lengths {sorted(rows)}: give every per-row "
+                       f"value one entry per row of the batch")
+    for t in _each(temperature):
+      if not t >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t}")
+    for k in _each(top_k):
+      if k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")
+    for p in _each(top_p):
+      if not 0 < p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
     # One dtype per leaf whatever the caller passed (1 or 1.0): one compiled program for both.
-    object.__setattr__(self, "temperature", float(self.temperature))
-    object.__setattr__(self, "top_k", int(self.top_k))
-    object.__setattr__(self, "top_p", float(self.top_p))
+    object.__setattr__(self, "temperature", temperature)
+    object.__setattr__(self, "top_k", top_k)
+    object.__setattr__(self, "top_p", top_p)
     object.__setattr__(self, "_static",
-                       (self.temperature == 0, top_k_bucket(self.top_k), self.top_p < 1))
+                       (all(t == 0 for t in _each(temperature)),
+                        top_k_bucket(max(_each(top_k))), any(p < 1 for p in _each(top_p))))
 
   def tree_flatten(self):
-    return (self.temperature, self.top_k, self.top_p), self._static
+    return tuple(_leaf(v) for v in (self.temperature, self.top_k, self.top_p)), self._static
 
   @classmethod
   def tree_unflatten(cls, static, leaves):
@@ -65,16 +83,33 @@ class Warp:
   def greedy(self) -> bool:
     return self._static[0]
 
+  @property
+  def rows(self) -> int | None:
+    """The batch size the per-row values are for; None when every value is one number."""
+    for v in (self.temperature, self.top_k, self.top_p):
+      if np.ndim(v):
+        return np.shape(v)[0]
+    return None
+
   def log_probs(self, logits: jax.Array) -> jax.Array:
-    """logits [..., V] -> warped float32 log-probs [..., V] (-inf outside the kept set, no NaN)."""
+    """logits [B, ..., V] -> warped float32 log-probs [B, ..., V] (-inf outside the kept set, no
+    NaN). With one value for every row, logits may have any leading shape [..., V]."""
     logits = logits.astype(jnp.float32)
     if self.greedy:
       return _one_hot_log_probs(logits)
-    z = logits / self.temperature
+    t = _per_row(self.temperature, logits)
+    if jnp.ndim(t):                          # per row: greedy rows (0) take the one-hot
+      z = jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), _one_hot_log_probs(logits))
+    else:                                    # one value: > 0 here (0 compiles the greedy path)
+      z = logits / t
     if self._static[1]:                                                   # top_k > 0
-      z = _top_k_mask(z, self.top_k, self._static[1])
+      k = _per_row(self.top_k, logits)
+      masked = _top_k_mask(z, k, self._static[1])
+      z = jnp.where(k > 0, masked, z) if jnp.ndim(k) else masked   # per row: 0 is off
     if self._static[2]:                                                   # top_p < 1
-      z = _top_p_mask(z, self.top_p)
+      p = _per_row(self.top_p, logits)
+      masked = _top_p_mask(z, p)
+      z = jnp.where(p < 1, masked, z) if jnp.ndim(p) else masked     # per row: 1 is off
     return jax.nn.log_softmax(z, axis=-1)
 
   def sample(self, logits: jax.Array, keys: jax.Array) -> jax.Array:
@@ -82,6 +117,38 @@ class Warp:
     if self.greedy:
       return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return categorical(self.log_probs(logits), keys)
+
+
+def _values(name: str, value, kind: type):
+  """A warp value as one number of `kind`, or a non-empty tuple of them (one per row)."""
+  if isinstance(value, (list, tuple)) or (hasattr(value, "ndim") and jnp.ndim(value) == 1):
+    value = tuple(kind(v) for v in value)
+    if not value:
+      raise ValueError(f"{name}=(): give one value, or one per row")
+    return value
+  return kind(value)
+
+
+def _each(value) -> tuple:
+  return value if isinstance(value, tuple) else (value,)
+
+
+def _leaf(value):
+  """A host value as the loop's argument: a number, or a [B] array of per-row values."""
+  if isinstance(value, tuple):
+    return np.asarray(value, np.float32 if isinstance(value[0], float) else np.int32)
+  return value
+
+
+def _per_row(value, logits: jax.Array) -> jax.Array:
+  """A warp value shaped to broadcast over logits [B, ..., V]: [B] -> [B, 1, ..., 1]."""
+  value = jnp.asarray(value)
+  if value.ndim == 0:
+    return value
+  if logits.shape[0] != value.shape[0]:
+    raise ValueError(f"per-row warp values for {value.shape[0]} rows met logits of shape "
+                     f"{logits.shape}: give one value per row of the batch")
+  return value.reshape(value.shape + (1,) * (logits.ndim - 1))
 
 
 def top_k_bucket(k: int) -> int:
@@ -92,12 +159,14 @@ def top_k_bucket(k: int) -> int:
 
 def _top_k_mask(z: jax.Array, k, k_max: int) -> jax.Array:
   """z [..., V] with every entry below its k-th largest set to -inf; k (traced, 1 <= k <=
-  k_max) is read from the k_max largest (lax.top_k's static k). k >= V masks nothing: the k-th
-  largest is then clipped to the smallest entry. The k-th largest is the same float as
-  lax.top_k(z, k)'s last, so the law equals a static-k mask's exactly."""
+  k_max; one number, or shaped to broadcast over z's leading axes) is read from the k_max
+  largest (lax.top_k's static k). k >= V masks nothing: the k-th largest is then clipped to the
+  smallest entry. The k-th largest is the same float as lax.top_k(z, k)'s last, so the law
+  equals a static-k mask's exactly."""
   top = jax.lax.top_k(z, min(k_max, z.shape[-1]))[0]                   # [..., k_max] descending
   index = jnp.clip(jnp.asarray(k, jnp.int32) - 1, 0, top.shape[-1] - 1)
-  kth = jax.lax.dynamic_slice_in_dim(top, index, 1, axis=-1)            # [..., 1]
+  index = jnp.broadcast_to(index, top.shape[:-1] + (1,))                # [..., 1]
+  kth = jnp.take_along_axis(top, index, axis=-1)                        # [..., 1]
   return jnp.where(z < kth, -jnp.inf, z)
 
 
@@ -107,8 +176,9 @@ def _one_hot_log_probs(logits: jax.Array) -> jax.Array:
   return jnp.where(ids == best, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-def _top_p_mask(z: jax.Array, top_p: float) -> jax.Array:
-  """Keep the smallest set of most likely tokens whose mass reaches top_p (edge ties kept)."""
+def _top_p_mask(z: jax.Array, top_p) -> jax.Array:
+  """Keep the smallest set of most likely tokens whose mass reaches top_p (one number, or shaped
+  to broadcast over z's leading axes; edge ties kept)."""
   logp = jax.nn.log_softmax(z, axis=-1)
   desc = -jnp.sort(-logp, axis=-1)                                       # [..., V] descending
   before = jnp.cumsum(jnp.exp(desc), axis=-1) - jnp.exp(desc)           # mass strictly above

@@ -57,6 +57,28 @@ def test_top_k_of_one_bucket_compiles_once_and_keeps_its_own_k():
   assert [sampling.top_k_bucket(k) for k in (0, 1, 2, 3, 4, 5, 9)] == [0, 1, 2, 4, 4, 8, 16]
 
 
+def test_per_row_values_warp_each_row_as_its_own_warp():
+  """A value per row: row b of [B, T, V] logits is warped exactly as by a Warp of row b's values
+  alone (a greedy row among sampled ones, top_k and top_p off on some rows); other per-row
+  values of the same top_k bucket reuse the compiled function."""
+  logits = _logits(shape=(4, 3, 50))
+  rows = dict(temperature=(0.0, 0.7, 1.3, 1.0), top_k=(0, 5, 3, 8), top_p=(1.0, 0.9, 0.5, 1.0))
+  warped = jax.jit(lambda w, x: w.log_probs(x))
+  got = np.asarray(warped(Warp(**rows), logits))
+  for b in range(4):
+    alone = Warp(**{name: values[b] for name, values in rows.items()}).log_probs(logits[b])
+    np.testing.assert_array_equal(got[b], np.asarray(alone), err_msg=f"row {b}")
+  assert not np.isnan(got).any() and Warp(**rows).rows == 4 and Warp().rows is None
+  before = warped._cache_size()
+  other = warped(Warp(temperature=(1.0, 0.0, 0.5, 2.0), top_k=(8, 1, 0, 6),
+                      top_p=(0.3, 1.0, 1.0, 0.7)), logits)
+  assert warped._cache_size() == before and not np.array_equal(np.asarray(other), got)
+  with pytest.raises(ValueError, match="different lengths"):
+    Warp(temperature=(1.0, 0.5), top_p=(0.9,))
+  with pytest.raises(ValueError, match="per-row warp values for 4 rows"):
+    Warp(**rows).log_probs(logits[:2])
+
+
 def test_top_p_keeps_smallest_set_reaching_mass():
   probs = jnp.array([[0.5, 0.3, 0.15, 0.05]])
   lp = Warp(top_p=0.8).log_probs(jnp.log(probs))

@@ -217,18 +217,22 @@ CHILD = textwrap.dedent("""
 
     SPECULATIVE = ("exact", "adaptive", "cross")
 
+    def warp_of(temperature):   # "rows": a value per row, greedy and sampled rows mixed
+      if temperature == "rows":
+        return Warp(temperature=(0.0, 1.0, 0.7, 1.3, 1.0), top_p=(1.0, 0.9, 1.0, 1.0, 0.8))
+      return Warp(temperature=float(temperature))
+
     def spec_args(case):   # (target, tp, draft, dp, rule, gamma, warp) of a speculative case
       family, method, temperature = case.split(":")
       pair = PAIRS[family](draft_vocab=48) if method == "cross" else PAIRS[family]()
       rule = {"exact": "exact", "adaptive": registry.get("adaptive", max_window=6),
               "cross": registry.get("intersection", vocab=VOCAB_MAP)}[method]
-      return (*pair, rule, 6 if method == "adaptive" else 3, Warp(temperature=float(temperature)))
+      return (*pair, rule, 6 if method == "adaptive" else 3, warp_of(temperature))
 
     def run(case, mesh):
       family, method, temperature = case.split(":")
       prompt, key = Prompt.from_lists(ROWS), jax.random.PRNGKey(7)
-      kw = dict(max_new_tokens=MAX_NEW, warp=Warp(temperature=float(temperature)), eos_id=None,
-                mesh=mesh)
+      kw = dict(max_new_tokens=MAX_NEW, warp=warp_of(temperature), eos_id=None, mesh=mesh)
       if method in SPECULATIVE:
         target, tp, draft, dp, rule, gamma, warp = spec_args(case)
         gen = speculative.generate(target, tp, draft, dp, prompt, key, rule=rule, gamma=gamma,
@@ -257,7 +261,7 @@ CHILD = textwrap.dedent("""
       args = sharded.place_args((target, draft), (tp, dp),
                                 sharded.pad_rows((prompt, prompt), rows),
                                 sharded.pad_rows(keys, rows), mesh)
-      args += sharded.place_shared(((setup.rule, setup.warp, setup.limit),), mesh)
+      args += sharded.place_shared(((setup.rule, setup.warp, setup.limit),), mesh, rows)
       text = sharded.jitted(speculative.loop, setup, args).lower(*args).compile().as_text()
       return dict(collectives=[list(c) for c in sharded.loop_collectives(text)],
                   capacity=setup.max_len)
@@ -324,9 +328,10 @@ def assert_no_cache_traffic(hlo: dict, where) -> None:
 def test_sharded_speculative_equals_one_device_and_keeps_the_cache_in_place():
   """Sampled exact SD of a Llama pair with grouped-query attention (8 query heads, 2 KV heads) on
   a 2x4 mesh (5 rows padded to 6; mlp and vocab over 4, attention whole since 4 does not divide
-  the KV heads) gives the one-device tokens and counters, and its compiled loop moves nothing
-  of a cache's size."""
-  cases, shapes = ["llama:exact:1.0"], ["2x4"]
+  the KV heads) gives the one-device tokens and counters, with one warp and with a temperature
+  and top_p per row (padded with the rows), and its compiled loop moves nothing of a cache's
+  size."""
+  cases, shapes = ["llama:exact:1.0", "llama:exact:rows"], ["2x4"]
   out = run_child(cases, shapes, hlo=True)
   assert_same_as_one_device(out, cases, shapes)
   kinds = {op for op, _, _ in out[cases[0]]["2x4"]["hlo"]["collectives"]}
@@ -344,7 +349,8 @@ def test_sharded_out_in_layout_equals_one_device():
 
 
 FULL = ["decoder:exact:0", "decoder:exact:1.0", "decoder:adaptive:1.0", "decoder:cross:1.0",
-        "decoder:ar:1.0", "decoder:sprinter:1.0", "llama:exact:0", "llama:exact:1.0",
+        "decoder:ar:1.0", "decoder:ar:rows", "decoder:sprinter:1.0", "decoder:sprinter:rows",
+        "llama:exact:0", "llama:exact:1.0",
         "llama:adaptive:1.0", "llama:cross:1.0", "t5:exact:0", "t5:exact:1.0",
         "t5:adaptive:1.0"]
 MESHES = ["8x1", "4x2", "2x4", "1x8"]

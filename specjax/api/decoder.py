@@ -84,8 +84,9 @@ class SpeculativeDecoder:
     """The rule or method decoding runs with ("autoregressive" without a draft)."""
     return self.method.label
 
-  def generate(self, prompts: Prompts, *, max_new_tokens: int = 64, temperature: float = 1.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int = 0, batch_size: int | None = None,
+  def generate(self, prompts: Prompts, *, max_new_tokens: int = 64,
+               temperature: float | Sequence[float] = 1.0, top_k: int | Sequence[int] = 0,
+               top_p: float | Sequence[float] = 1.0, seed: int = 0, batch_size: int | None = None,
                chat: bool = False, stop: str | Sequence[str] = (), stream: Stream | None = None,
                truncate: str = "") -> Result:
     """Decode `prompts` (strings, or lists of token ids fed as they are, BOS included where the
@@ -93,8 +94,10 @@ class SpeculativeDecoder:
 
     max_new_tokens: generated tokens per prompt at most (rows end earlier at an end-of-sequence
     id of the target's tokenizer or at a stop string). temperature 0 is greedy; top_k 0 and
-    top_p 1 are off. max_new_tokens and top_k compile per power-of-two bucket (20 and 30 share
-    a program, as do top_k 3 and 4); temperature and top_p never recompile. seed: prompt i
+    top_p 1 are off. Each of the three is one value, or a list with one per prompt (rows may
+    mix greedy and sampling). max_new_tokens and top_k compile per
+    power-of-two bucket (20 and 30 share a program, as do top_k 3 and 4); temperature and top_p
+    never recompile. seed: prompt i
     draws with fold_in(PRNGKey(seed), i). batch_size: prompts decoded together (None: up to
     8). chat: wrap each text as one user turn in the target's chat template. stop: strings
     that end a row (the text is cut before the first).
@@ -103,8 +106,9 @@ class SpeculativeDecoder:
     hold, "left" keeps its last tokens."""
     _check_stream(stream)
     rows = _check_prompts(prompts, self.method, chat)
+    warp = _warp_values(len(rows), temperature=temperature, top_k=top_k, top_p=top_p)
     method = self.method.with_settings(**_settings_changes(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        max_new_tokens=max_new_tokens, **warp,
         seed=seed, chat=chat, stop=stop, truncate=truncate, stream=stream is not None,
         batch_size=min(len(rows), DEFAULT_BATCH) if batch_size is None else batch_size))
     rows = [formatted_text(method, p) for p in rows] if chat else rows
@@ -185,7 +189,7 @@ def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | N
   size = method.settings.batch_size
   widths = method.widths(prompts)           # one bucket per model for the whole call
   rule = getattr(method, "rule", None)
-  if getattr(rule, "rule_name", "") == "greedy" and method.settings.temperature > 0:
+  if getattr(rule, "rule_name", "") == "greedy" and not method.settings.warp.greedy:
     log.warning("rule greedy decodes greedily (the target's argmax): temperature %s, top_k and "
                 "top_p do not apply; use rule exact to sample", method.settings.temperature)
   for start in range(first, len(prompts), size):
@@ -199,7 +203,8 @@ def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | N
     if method.streams and method.mesh is None and (show or method.settings.stop):
       streamer = streaming.Streamer(method.target.tokenizer, len(chunk), method.settings.stop,
                                     show)
-    gen = method.generate(method.prepare(chunk, widths), keys, streamer)
+    mine = dataclasses.replace(method, settings=method.settings.rows(start, n, len(chunk)))
+    gen = mine.generate(method.prepare(chunk, widths), keys, streamer)
     texts = method.texts(gen)[:n]
     if show is not None:
       for b, (_, text) in enumerate(texts):
@@ -306,6 +311,20 @@ def _settings_changes(**changes) -> dict:
   changes["stop"] = tuple(stop)
   _settings(**changes)
   return changes
+
+
+def _warp_values(n: int, **values) -> dict:
+  """temperature, top_k, top_p as DecodeSettings takes them: a number, or a tuple with one value
+  per prompt (a list or array of exactly n)."""
+  out = {}
+  for name, value in values.items():
+    if isinstance(value, (list, tuple, np.ndarray)):
+      value = tuple(v.item() if isinstance(v, np.generic) else v for v in value)
+      if len(value) != n:
+        raise UsageError(f"{name} has {len(value)} values for {n} prompts: give one value, or "
+                         f"exactly one per prompt")
+    out[name] = value
+  return out
 
 
 def _check_model(model, role: str) -> None:

@@ -54,6 +54,7 @@ def method_class(name: str) -> type:
 
 
 MAX_SEED = 2**32 - 1
+WARP_VALUES = ("temperature", "top_k", "top_p")   # settings that may hold one value per prompt
 MIN_BUCKET = 16            # the narrowest prompt bucket (models/prompting.bucket)
 TRUNCATE = ("", "left")
 
@@ -63,9 +64,10 @@ class DecodeSettings:
   """How a method decodes (the `decode` section of a config; keyword arguments in Python)."""
   gamma: int = 4                 # draft tokens per block
   max_new_tokens: int = 64
-  temperature: float = 1.0       # 0: greedy
-  top_k: int = 0
-  top_p: float = 1.0
+  # The warp: one value for every prompt, or a tuple with one per prompt of the call
+  temperature: float | tuple[float, ...] = 1.0       # 0: greedy
+  top_k: int | tuple[int, ...] = 0
+  top_p: float | tuple[float, ...] = 1.0
   seed: int = 0
   max_len: int = 0               # cache size of both models (T5: and encoder); 0: just enough
   batch_size: int = 1
@@ -95,6 +97,26 @@ class DecodeSettings:
   @property
   def warp(self) -> Warp:
     return Warp(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+  @property
+  def per_row(self) -> bool:
+    """True when a warp value is a tuple with one entry per prompt."""
+    return any(isinstance(getattr(self, n), tuple) for n in WARP_VALUES)
+
+  def row_warp(self, b: int) -> Warp:
+    """The warp of row b alone: its own values as single numbers."""
+    return Warp(**{n: v[b] if isinstance(v, tuple) else v
+                   for n in WARP_VALUES for v in [getattr(self, n)]})
+
+  def rows(self, start: int, n: int, padded: int) -> "DecodeSettings":
+    """These settings for prompts start..start+n of the call, in a batch of `padded` rows (the
+    extra rows repeat the last prompt's values)."""
+    def cut(values):
+      if not isinstance(values, tuple):
+        return values
+      mine = values[start:start + n]
+      return mine + mine[-1:] * (padded - n)
+    return dataclasses.replace(self, **{n_: cut(getattr(self, n_)) for n_ in WARP_VALUES})
 
 
 def placed(loaded: LoadedModel, mesh, target: bool, what: str) -> LoadedModel:
@@ -403,7 +425,8 @@ class StringLevel(Method):
     outs = [string_level.generate(
         self.target.model, self.target.params, self.target.tokenizer, self.draft.model,
         self.draft.params, self.draft.tokenizer, x_t, x_d, keys[b], method=self.method,
-        gamma=s.gamma, max_new_tokens=s.max_new_tokens, warp=s.warp, lookbehind=s.lookbehind,
+        gamma=s.gamma, max_new_tokens=s.max_new_tokens, warp=s.row_warp(b),
+        lookbehind=s.lookbehind,
         max_depth=self.max_depth, eos_id=self.eos_id, max_len=self.max_len)
         for b, (x_t, x_d) in enumerate(zip(rows(prompts.target), rows(prompts.draft)))]
     tokens = np.zeros((len(outs), s.max_new_tokens), np.int32)

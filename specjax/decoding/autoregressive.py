@@ -29,12 +29,17 @@ from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
 
 
-def check_lengths(max_new_tokens: int, prompt: Prompt) -> None:
+def check_batch(max_new_tokens: int, prompt: Prompt, warp: sampling.Warp) -> None:
+  """What every loop checks first: max_new_tokens >= 1, a prompt batch [B, P] with lengths [B],
+  and a warp whose per-row values (if any) are for B rows. Raises ValueError."""
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   if prompt.tokens.ndim != 2 or prompt.lengths.shape != prompt.tokens.shape[:1]:
     raise ValueError(f"prompt.tokens must be [B, P] and prompt.lengths [B]; got "
                      f"{prompt.tokens.shape} and {prompt.lengths.shape}")
+  if warp.rows not in (None, prompt.tokens.shape[0]):
+    raise ValueError(f"the warp has per-row values for {warp.rows} rows and the prompt batch "
+                     f"{prompt.tokens.shape[0]}: give one value, or one per row")
 
 
 def decoder_start_id(model) -> int:
@@ -91,7 +96,7 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   tokens sampled from them); check_finite=False skips that host read (gen.stats.nonfinite holds
   the flags: training, whose device-side finite check sees the same weights' loss).
   """
-  check_lengths(max_new_tokens, prompt)
+  check_batch(max_new_tokens, prompt, warp)
   prefix, bucket = prompting.prefix_len(model, prompt), new_tokens_bucket(max_new_tokens)
   need = RESERVE.need(prefix, max_new_tokens)
   max_len = (auto_capacity(need, RESERVE.need(prefix, bucket), (model,)) if max_len is None

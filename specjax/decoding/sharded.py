@@ -122,10 +122,13 @@ def place_args(models, params, prompts, keys, mesh):
   return placed, _place_rows(prompts, mesh), _place_rows(keys, mesh)
 
 
-def place_shared(tree, mesh):
-  """Arguments every device reads whole (the warp's temperature and top_p), replicated."""
-  return jax.tree_util.tree_map(
-      lambda x: sharding.place(jnp.asarray(x), sharding.replicated(mesh)), tree)
+def place_shared(tree, mesh, rows: int):
+  """Arguments every device reads whole (the warp's values, the rule's, the limit), replicated;
+  a leaf with an axis (a warp's per-row values [B]) is padded to `rows` rows like the prompts."""
+  def one(x):
+    x = jnp.asarray(x)
+    return sharding.place(pad_rows(x, rows) if x.ndim else x, sharding.replicated(mesh))
+  return jax.tree_util.tree_map(one, tree)
 
 
 def jitted(loop: Callable, setup, args) -> Callable:
@@ -163,7 +166,7 @@ def generate(loop: Callable, setup, models, params, prompts, keys, *shared) -> G
   batch = keys.shape[0]
   rows = sharding.padded_batch(batch, mesh)
   args = place_args(models, params, pad_rows(prompts, rows), pad_rows(keys, rows), mesh)
-  args += place_shared(shared, mesh)
+  args += place_shared(shared, mesh, rows)
   state = jitted(loop, setup, args)(*args)
   return _gatherer(mesh, batch)(state)
 

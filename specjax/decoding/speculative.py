@@ -127,7 +127,7 @@ def _validate(target, draft, prompt, draft_prompt, *, rule, gamma, max_new_token
   if isinstance(gamma, bool) or not isinstance(gamma, numbers.Integral) or gamma < 1:
     raise ValueError(f"gamma (draft tokens per block) must be an integer >= 1, got {gamma!r}")
   gamma = int(gamma)
-  ar.check_lengths(max_new_tokens, prompt)
+  ar.check_batch(max_new_tokens, prompt, warp)
   if is_lookup(draft):                     # no draft model: no vocabulary, prompt or cache
     refusal = lookup_refusal(rule)
     if refusal:

@@ -167,7 +167,7 @@ def _cap(gamma_max: int | None, bucket: int) -> int:
 def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_tokens, warp,
               eos_id, max_len) -> Setup:
   """Host-side checks with actionable messages, before anything is traced."""
-  ar.check_lengths(max_new_tokens, prompt)
+  ar.check_batch(max_new_tokens, prompt, warp)
   if draft.vocab_size != target.vocab_size:
     raise ValueError(f"draft vocab size {draft.vocab_size} differs from target vocab size "
                      f"{target.vocab_size}: SPRINTER's token test needs a shared vocabulary")

@@ -20,7 +20,7 @@ from tokenizers import pre_tokenizers, trainers  # noqa: E402
 
 from specjax.app import builders, resolve  # noqa: E402
 from specjax.data import tokenizer as tokenizer_lib  # noqa: E402
-from specjax.models import Prompt, gguf_import, hf_import, llama  # noqa: E402
+from specjax.models import Prompt, gguf_import  # noqa: E402
 
 Q8_0, Q4_K = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]            # ids 0, 1, 2: control

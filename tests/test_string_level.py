@@ -14,7 +14,7 @@ from specjax import sampling
 from specjax.acceptance import vocab
 from specjax.decoding import autoregressive, speculative, string_level as sl
 from specjax.models import Prompt, prompting
-from tests.test_vocab import (CONTEXTS, D_PIECES, PROMPT, T_PIECES, ToyTok, ctx_index, lossless,
+from tests.test_vocab import (D_PIECES, PROMPT, T_PIECES, ToyTok, ctx_index, lossless,
                               softmax, tables, target_law)
 
 

@@ -7,7 +7,6 @@ import json
 import textwrap
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -53,11 +53,11 @@ def step_cost(model, params, batch: int, positions: float) -> dict:
     if leaf.ndim >= 2:
       matmul += size
   layers = getattr(cfg, "num_decoder_layers", None) or cfg.num_layers
-  kv_heads = getattr(cfg, "num_kv_heads", None) or cfg.num_heads
+  heads, kv_heads = model.heads
   head_dim = getattr(cfg, "head_dim", None) or cfg.d_kv
   itemsize = jnp.dtype(cfg.dtype).itemsize
   cache = 2 * layers * kv_heads * head_dim * positions * batch * itemsize
-  attention = 4 * layers * cfg.num_heads * head_dim * positions * batch
+  attention = 4 * layers * heads * head_dim * positions * batch
   return dict(weight_bytes=weights, cache_bytes=cache, flops=2 * matmul * batch + attention)
 
 

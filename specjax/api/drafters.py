@@ -56,7 +56,7 @@ def sub_vocab(draft: LoadedModel, k: int, counts=None, flag: str = "vocab_top_k"
   if model.is_encoder_decoder:
     raise UsageError(f"{flag}: a sub-vocabulary head is built for decoder-only drafts; "
                      f"{type(model).__name__} is an encoder-decoder")
-  if getattr(model.config, "head_subset", None) is not None:
+  if model.config.head_subset is not None:
     raise UsageError(f"{flag}: this draft's head already scores {model.config.head_subset.size} "
                      f"ids; cut it from the full draft")
   vocab, stops = model.vocab_size, eos_ids(draft.tokenizer)
@@ -69,7 +69,7 @@ def sub_vocab(draft: LoadedModel, k: int, counts=None, flag: str = "vocab_top_k"
   subset = SubVocab.most_frequent(counts, k, always=stops)
   params = dict(draft.params)
   head = params.get("lm_head", {})
-  if getattr(model.config, "quant", ""):              # int8 kernel [D, V] with a scale [V]
+  if model.quant:                                     # int8 kernel [D, V] with a scale [V]
     head = {"kernel": subset.head_columns(head["kernel"]),
             "scale": jnp.take(head["scale"], jnp.asarray(subset.ids))}
   elif model.config.tie_word_embeddings:

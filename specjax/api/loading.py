@@ -249,7 +249,7 @@ def dense_layout_of(path: Path, dtype: str, scan: bool, role: str, quant: str, l
   and logged with its reason); None for a model without the setting (T5), which refuses
   out_in."""
   model = hf_import.model_from_dir(path, dtype, scan_layers=scan)
-  if not hasattr(model.config, "layout"):
+  if model.is_encoder_decoder:                       # T5 has no layout setting
     if layout == dense_layout.OUT_IN:
       raise ValueError(f"layout={layout!r}: the dense layout is a setting of the decoder-only "
                        f"families (GPT-2, Llama, Qwen, Mistral); the {role} is a "
@@ -302,7 +302,7 @@ def _quantized(model, quant: str, role: str):
   """The model with int8 dense layers (quant "int8"), or as it is ("")."""
   if not quant:
     return model
-  if not hasattr(model.config, "quant"):
+  if model.is_encoder_decoder:                       # T5 has no int8 layers
     raise ValueError(f"quant={quant!r}: int8 layers exist for the decoder-only families "
                      f"(GPT-2, Llama, Qwen, Mistral); the {role} is a "
                      f"{type(model).__name__}: load it without quant")

@@ -26,7 +26,7 @@ from specjax.api.loading import LoadedModel
 from specjax.data import tokenizer as tokenizer_lib
 from specjax.decoding import autoregressive, sharded, speculative, string_level
 from specjax.decoding.ngram import NGram
-from specjax.decoding.state import Generation, Reserve
+from specjax.decoding.state import Generation, Reserve, position_limit
 from specjax.models import prompting
 from specjax.models.prompting import Prompt
 from specjax import sampling
@@ -182,7 +182,7 @@ class Method:
       return self.settings.max_len, f"{self.arg_prefix}max_len"
     if loaded.model.is_encoder_decoder:
       return None
-    tables = [(n, m) for m in self.models() if (n := _positions(m.model)) is not None]
+    tables = [(n, m) for m in self.models() if (n := position_limit(m.model)) is not None]
     if not tables:
       return None
     n, owner = min(tables, key=lambda t: (t[0], t[1] is not loaded))   # a tie names its own
@@ -304,12 +304,6 @@ def _no_streaming(method: Method, on_chunk) -> None:
   if on_chunk is not None:
     raise ValueError(f"method {method.name} has a loop of its own: it does not stream (its text "
                      f"and stop strings are applied when it ends)")
-
-
-def _positions(model) -> int | None:
-  """A decoder-only model's position table (None: rotary or relative positions, no bound)."""
-  return None if model.is_encoder_decoder else getattr(getattr(model, "config", None),
-                                                       "n_positions", None)
 
 
 @register("speculative")

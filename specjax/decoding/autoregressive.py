@@ -42,19 +42,10 @@ def check_batch(max_new_tokens: int, prompt: Prompt, warp: sampling.Warp) -> Non
                      f"{prompt.tokens.shape[0]}: give one value, or one per row")
 
 
-def decoder_start_id(model) -> int:
-  for owner in (model, getattr(model, "config", None)):
-    for name in ("decoder_start_id", "decoder_start_token_id"):
-      value = getattr(owner, name, None)
-      if value is not None:
-        return int(value)
-  return 0
-
-
 def stream_anchor(model, prompt: Prompt) -> jax.Array:
   """[B] the last token of each row's prompt stream (decoder-only: last prompt token; T5: start)."""
   if model.is_encoder_decoder:
-    return jnp.full(prompt.lengths.shape, decoder_start_id(model), jnp.int32)
+    return jnp.full(prompt.lengths.shape, model.decoder_start_id, jnp.int32)
   last = (prompt.lengths - 1)[:, None]
   return jnp.take_along_axis(prompt.tokens, last, axis=1)[:, 0].astype(jnp.int32)
 

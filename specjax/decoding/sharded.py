@@ -33,28 +33,19 @@ from specjax.decoding.state import Generation, finish
 from specjax.models import kv_cache
 
 
-def attention_heads(model) -> tuple[int, int] | None:
-  """(H, Hkv) of a model with an attention config (None: no heads known)."""
-  cfg = getattr(model, "config", None)
-  heads = getattr(cfg, "num_heads", None)
-  if heads is None:
-    return None
-  return int(heads), int(getattr(cfg, "num_kv_heads", heads))
-
-
 def model_units(model) -> dict[str, int] | None:
   """The rules table's units of a model's head dims: query heads split only by whole KV-head
   groups (the G = H / Hkv query heads that read one KV head), so that attention never needs a KV
   head from another device. A 'model' axis that does not divide Hkv then leaves the attention
   (and the cache) replicated over 'model'; mlp and vocab still split: splitting the query heads
   alone made XLA regather the whole replicated cache every block."""
-  heads = attention_heads(model)
+  heads = model.heads
   return None if heads is None else {"heads": heads[1], "kv_heads": heads[1]}
 
 
 def check_target(model, mesh, what: str = "the target") -> None:
   """sharding.HeadsError when the mesh's 'model' axis divides none of the target's heads."""
-  heads = attention_heads(model)
+  heads = model.heads
   if heads is not None:
     sharding.check_heads(mesh, heads[0], heads[1], what)
 
@@ -63,8 +54,7 @@ def param_shardings(model, params, mesh) -> Any:
   """The rules table's shardings of a model's params (model None: replicated, e.g. a verifier)."""
   if model is None:
     return jax.tree_util.tree_map(lambda _: sharding.replicated(mesh), params)
-  layout = getattr(getattr(model, "config", None), "layout", "in_out")    # models/dense_layout
-  return sharding.param_shardings(params, mesh, model_units(model), layout)
+  return sharding.param_shardings(params, mesh, model_units(model), model.layout)
 
 
 def place_params(model, params, mesh) -> Any:

@@ -24,8 +24,7 @@ class NonFiniteLogitsError(ValueError):
   """A model produced NaN / inf logits while decoding; carries the `role` and the `rows`."""
 
   def __init__(self, role: str, model, rows: list[int]):
-    dtype = getattr(getattr(model, "dtype", None), "__name__", None) or str(
-        getattr(model, "dtype", "?"))
+    dtype = jnp.dtype(model.dtype).name
     super().__init__(
         f"the {role} model ({type(model).__name__}, {dtype} weights) produced non-finite logits "
         f"(NaN or inf) in rows {rows}: likely a float16 overflow or damaged weights; load it "
@@ -69,9 +68,7 @@ def new_tokens_bucket(max_new: int) -> int:
 def position_limit(model) -> int | None:
   """The most cache positions a decoder-only model's position table allows (None: rotary or
   relative positions, or an encoder-decoder: no bound)."""
-  if getattr(model, "is_encoder_decoder", False):
-    return None
-  return getattr(getattr(model, "config", None), "n_positions", None)
+  return None if model.is_encoder_decoder else model.n_positions
 
 
 def auto_capacity(need: int, bucket_need: int, models) -> int:

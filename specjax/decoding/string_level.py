@@ -480,7 +480,7 @@ def default_capacity(models, prompt_len: int, max_new_tokens: int, gamma: int) -
   target's, cut to the models' position tables. Sized for the buckets of the prompt and of
   max_new_tokens, so that the values of one bucket share the compiled programs (whose caches have
   this size). Example: a 10-token prompt, 9 or 12 new tokens, gamma 3 -> 16 + 3 * 16 + 3 + 32."""
-  limits = [getattr(getattr(m, "config", None), "n_positions", None) for m in models]
+  limits = [m.n_positions for m in models]
   want = (prompting.bucket(prompt_len, minimum=16) + 3 * new_tokens_bucket(max_new_tokens)
           + gamma + 32)
   return min([want] + [n for n in limits if n])

@@ -1,8 +1,10 @@
 """Models and the model contract the decoding loop relies on (docs/design.md §3).
 
-A model is a frozen, hashable dataclass (so it can be a static argument of `jax.jit`) with:
+A model is a frozen, hashable dataclass (so it can be a static argument of `jax.jit`) with
+what `Model` below types:
 
-  vocab_size: int; is_encoder_decoder: bool; hidden_size: int
+  vocab_size: int; is_encoder_decoder: bool; hidden_size: int; dtype
+  n_positions, decoder_start_id, heads, layout, quant (what loading, the loops and sharding read)
   init_params(rng) -> params
   init_cache(batch, max_len, enc_len=0) -> KVCache
   prefill(params, prompt: Prompt, cache) -> (logits[B,V], hidden[B,D], cache)
@@ -25,6 +27,7 @@ ingests the decoder start token and returns the logits of the first output token
 from __future__ import annotations
 
 import functools
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +36,41 @@ from specjax.models import kv_cache, prompting
 from specjax.models.prompting import Prompt  # noqa: F401  (the contract's input type)
 
 
+@runtime_checkable
+class Model(Protocol):
+  """The model contract, typed: the loops, sharding and loading read these, never probe for
+  them (ModelBase gives the families their values; a toy model states its own)."""
+  vocab_size: int
+  is_encoder_decoder: bool
+  hidden_size: int
+  n_positions: int | None        # a learned position table's size; None: RoPE / relative, no bound
+  decoder_start_id: int          # an encoder-decoder's first decoder input (0 for decoder-only)
+  heads: tuple[int, int] | None  # (query, key/value) heads a mesh splits; None: no attention
+  layout: str                    # dense kernels "in_out" or "out_in" (models/dense_layout.py)
+  quant: str                     # "" or "int8" dense layers (models/quant.py)
+
+  @property
+  def dtype(self) -> Any: ...
+  def init_params(self, rng: jax.Array) -> Any: ...
+  def init_cache(self, batch: int, max_len: int, enc_len: int = 0) -> kv_cache.KVCache: ...
+  def prefill(self, params, prompt: Prompt, cache: kv_cache.KVCache): ...
+  def extend_entries(self, params, tokens: jax.Array, cache: kv_cache.KVCache, select=None): ...
+  def extend(self, params, tokens: jax.Array, cache: kv_cache.KVCache, select=None): ...
+
+
 class ModelBase:
-  """Properties shared by the frozen model wrappers; `config` has vocab_size, d_model, dtype."""
+  """Properties shared by the frozen model wrappers; `config` has vocab_size, d_model, dtype and
+  num_heads. The defaults below are a family's without the feature (no position table, no
+  decoder start, one KV head per query head, [in, out] float kernels)."""
+
+  n_positions: int | None = None
+  decoder_start_id: int = 0
+  layout: str = "in_out"
+  quant: str = ""
+
+  @property
+  def heads(self) -> tuple[int, int]:
+    return self.config.num_heads, self.config.num_heads
 
   @property
   def vocab_size(self) -> int:

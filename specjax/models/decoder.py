@@ -257,6 +257,10 @@ class Decoder(DecoderOnly):
   is_encoder_decoder: bool = dataclasses.field(default=False, init=False)
 
   @property
+  def n_positions(self) -> int:
+    return self.config.n_positions
+
+  @property
   def module(self) -> _Transformer:
     return _Transformer(self.config)
 

@@ -20,6 +20,14 @@ Params = Any
 class DecoderOnly(ModelBase):
   """Mixin for the frozen wrappers of decoder-only families (GPT-2, Llama)."""
 
+  @property
+  def layout(self) -> str:
+    return self.config.layout
+
+  @property
+  def quant(self) -> str:
+    return self.config.quant
+
   @functools.partial(jax.jit, static_argnums=0)
   def init_params(self, rng: jax.Array) -> Params:
     """Plain nested dict laid out as the family's module docstring says (per-layer leaves

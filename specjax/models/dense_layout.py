@@ -75,5 +75,5 @@ def transposes(path: tuple[str, ...], layout: str) -> bool:
 
 def with_layout(model, layout: str):
   """The same decoder-only model with `config.layout = layout` (checked)."""
-  check(layout, getattr(model.config, "quant", ""))
+  check(layout, model.quant)
   return dataclasses.replace(model, config=dataclasses.replace(model.config, layout=layout))

@@ -318,6 +318,10 @@ class Llama(DecoderOnly):
   is_encoder_decoder: bool = dataclasses.field(default=False, init=False)
 
   @property
+  def heads(self) -> tuple[int, int]:
+    return self.config.num_heads, self.config.num_kv_heads
+
+  @property
   def module(self) -> _Transformer:
     return _Transformer(self.config)
 

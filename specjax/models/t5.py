@@ -337,6 +337,10 @@ class T5(ModelBase):
   is_encoder_decoder: bool = dataclasses.field(default=True, init=False)
 
   @property
+  def decoder_start_id(self) -> int:
+    return self.config.decoder_start_token_id
+
+  @property
   def module(self) -> _T5Module:
     return _T5Module(self.config)
 

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from specjax.models import Prompt, score  # noqa: E402
 from specjax import testing  # noqa: E402
 from specjax.models import decoder, hf_import, layers  # noqa: E402
+from specjax.models.convert import gpt2  # noqa: E402
 
 VOCAB, N_POS = 64, 32
 PROMPTS = [[5, 9, 17, 3, 40], [33, 2], [7, 7, 12, 50, 61, 8, 1]]   # ragged on purpose
@@ -138,10 +139,10 @@ def test_params_from_hf_accepts_unprefixed_names_and_reports_missing(hf, ours):
   model, params = ours
   tensors = hf_import.read_tensors(hf[1])
   bare = {k.removeprefix("transformer."): v for k, v in tensors.items()}
-  jax.tree_util.tree_map(np.testing.assert_array_equal, decoder.params_from_hf(model, bare), params)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, gpt2.params_from_hf(model, bare), params)
   del bare["h.1.mlp.c_fc.weight"]
   with pytest.raises(ValueError, match="lacks 1 tensors"):
-    decoder.params_from_hf(model, bare)
+    gpt2.params_from_hf(model, bare)
 
 
 def test_extend_block_equals_single_steps(each_layout):

@@ -17,9 +17,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from specjax import testing
-from specjax.models import decoder, hf_import, hf_tensors, t5
+from specjax.models import decoder, hf_import, hf_tensors
+from specjax.models.convert import gpt2 as convert_gpt2, t5 as convert_t5
 
-FAMILIES = {"gpt2": decoder, "t5": t5}
+FAMILIES = {"gpt2": convert_gpt2, "t5": convert_t5}
 
 
 def _perturbed(params, seed: int):

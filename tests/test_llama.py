@@ -23,6 +23,7 @@ from specjax import sampling, testing  # noqa: E402
 from specjax.data import tokenizer  # noqa: E402
 from specjax.decoding import autoregressive  # noqa: E402
 from specjax.models import Prompt, hf_import, hf_tensors, layers, llama  # noqa: E402
+from specjax.models.convert import llama as convert_llama  # noqa: E402
 
 VOCAB, EOS = 96, 2
 PROMPTS = [[5, 9, 17, 3, 40, 61, 12, 8], [33, 2], [7, 7, 12, 50, 61]]   # ragged on purpose
@@ -248,16 +249,16 @@ def test_params_from_hf_reads_each_tensor_once_and_names_bad_ones(hf, ours):
   model, params = ours
   tensors = dict(hf_import.read_tensors(path))    # an editable copy: read_tensors is lazy
   counting = _CountingTensors(tensors)
-  jax.tree_util.tree_map(np.testing.assert_array_equal, llama.params_from_hf(model, counting),
+  jax.tree_util.tree_map(np.testing.assert_array_equal, convert_llama.params_from_hf(model, counting),
                          params)
   assert counting.reads == collections.Counter(set(tensors))                # every one, once
   name = "model.layers.1.mlp.up_proj.weight"
   with pytest.raises(ValueError, match=rf"'{name}' has shape \(32, 64\).*implies \(64, 32\)"):
-    llama.params_from_hf(model, {**tensors, name: tensors[name].T})
+    convert_llama.params_from_hf(model, {**tensors, name: tensors[name].T})
   del tensors[name]
   with pytest.raises(ValueError, match=rf"Llama-family checkpoint lacks 1 tensors, e.g. "
                                        rf"\['{name}'\]"):
-    llama.params_from_hf(model, tensors)
+    convert_llama.params_from_hf(model, tensors)
 
 
 @_on("qwen3_qk_norm")
@@ -276,16 +277,16 @@ def test_bfloat16_loads_and_is_close_to_float32(hf, ours):
 
 def test_unsupported_configs_are_refused_with_the_supported_list(tmp_path):
   config = _hf_config("llama3_rope_bias_untied").to_dict()
-  llama.model_from_hf_config(config, "float32")
+  convert_llama.model_from_hf_config(config, "float32")
   yarn = {**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}
   with pytest.raises(ValueError, match=r"'yarn'.*\('default', 'linear', 'llama3'\)"):
-    llama.model_from_hf_config(yarn, "float32")
+    convert_llama.model_from_hf_config(yarn, "float32")
   old_style = {**config, "rope_parameters": None, "rope_theta": 500.0,
                "rope_scaling": {"type": "linear", "factor": 2.0}}          # transformers 4 files
-  assert llama.model_from_hf_config(old_style, "float32").config.rope == llama.Rope(
+  assert convert_llama.model_from_hf_config(old_style, "float32").config.rope == llama.Rope(
       theta=500.0, kind="linear", factor=2.0)
   with pytest.raises(ValueError, match=r"'gemma'.*\('llama', 'mistral', 'qwen2', 'qwen3'\)"):
-    llama.model_from_hf_config({**config, "model_type": "gemma"}, "float32")
+    convert_llama.model_from_hf_config({**config, "model_type": "gemma"}, "float32")
   _torch_model("qwen2_bias_tied").save_pretrained(tmp_path, safe_serialization=True)
   gemma = json.loads((tmp_path / "config.json").read_text()) | {"model_type": "gemma"}
   (tmp_path / "config.json").write_text(json.dumps(gemma))
@@ -301,7 +302,7 @@ def test_config_checks():
     llama.LlamaConfig(**base, num_kv_heads=2, precision="tf32")
   qwen2_without_bias = llama.Llama(llama.LlamaConfig(**base, num_kv_heads=2, model_type="qwen2"))
   with pytest.raises(ValueError, match="cannot be written as HF model_type 'qwen2'"):
-    llama.hf_config(qwen2_without_bias)
+    convert_llama.hf_config(qwen2_without_bias)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 
 from specjax import testing
 from specjax.models import Prompt, hf_import, kv_cache, layers, score, t5
+from specjax.models.convert import t5 as convert_t5
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -124,16 +125,16 @@ def test_transformers5_untied_format():
   torch_model = _torch_model("gated_untied", 0)
   tensors = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
   hf = dict(torch_model.config.to_dict(), tie_word_embeddings=True, scale_decoder_outputs=False)
-  model = t5.model_from_hf_config(hf, "float32")
+  model = convert_t5.model_from_hf_config(hf, "float32")
   assert model.config.tie_word_embeddings and not model.config.scale_decoder_outputs
-  params = t5.params_from_hf(model, tensors)
+  params = convert_t5.params_from_hf(model, tensors)
   np.testing.assert_array_equal(np.asarray(params["lm_head"]["kernel"]),
                                 tensors["lm_head.weight"].T)
   tensors["lm_head.weight"] = tensors["shared.weight"].copy()
-  assert "lm_head" not in t5.params_from_hf(model, tensors)
+  assert "lm_head" not in convert_t5.params_from_hf(model, tensors)
   del tensors["encoder.block.1.layer.0.SelfAttention.q.weight"]
   with pytest.raises(ValueError, match="lacks 1 tensors"):
-    t5.params_from_hf(model, tensors)
+    convert_t5.params_from_hf(model, tensors)
 
 
 def test_init_params_layout_and_export_loads_in_transformers(checkpoints, tmp_path):

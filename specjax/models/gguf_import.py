@@ -2,7 +2,7 @@
 
 A GGUF holds metadata (the architecture's hyperparameters under `<arch>.*`, the tokenizer under
 `tokenizer.*`) and tensors, most of them quantized in blocks of 32 or 256 values. The import goes
-through the Hugging Face tensor names that `llama.params_from_hf` reads, so one name table serves
+through the Hugging Face tensor names that models/convert/llama.py reads, so one name table serves
 both formats:
 
   GGUF `blk.{i}.attn_q.weight` -> HF `model.layers.{i}.self_attn.q_proj.weight` (`_LAYER_NAMES`),
@@ -32,7 +32,8 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from specjax.models import hf_tensors, llama
+from specjax.models import hf_tensors
+from specjax.models.convert import llama as convert_llama
 from specjax.models.transformers_lock import TRANSFORMERS
 
 log = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ def _unpermute(tensor: np.ndarray, heads: int) -> np.ndarray:
 
 class HFTensors(Mapping):
   """HF tensor name -> float32 numpy array, dequantized (and un-permuted) on each lookup: the
-  lazy Mapping `llama.params_from_hf` reads."""
+  lazy Mapping `convert_llama.params_from_hf` reads."""
 
   def __init__(self, ckpt: GGUFCheckpoint):
     self.ckpt = ckpt
@@ -324,7 +325,8 @@ class HFTensors(Mapping):
 
 
 def hf_config(ckpt: GGUFCheckpoint) -> dict:
-  """The HF config.json dict the metadata describes (what `llama.model_from_hf_config` reads)."""
+  """The HF config.json dict the metadata describes (what convert/llama.py's model_from_hf_config
+  reads)."""
   arch = ckpt.architecture
   if arch not in ARCHITECTURES:
     raise GGUFError(f"{ckpt.path}: general.architecture '{arch}' is not supported; specjax "
@@ -389,8 +391,8 @@ def _special_ids(metadata: dict) -> dict:
 def load_model(path: str | Path, dtype: str = "float32"):
   """(model, params) of a GGUF file, dequantized tensor by tensor to `dtype`."""
   ckpt = GGUFCheckpoint(path)
-  model = llama.model_from_hf_config(hf_config(ckpt), dtype)
-  return model, llama.params_from_hf(model, HFTensors(ckpt))
+  model = convert_llama.model_from_hf_config(hf_config(ckpt), dtype)
+  return model, convert_llama.params_from_hf(model, HFTensors(ckpt))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +475,7 @@ def convert(path: str | Path, out_dir: str | Path, shard_bytes: int = 1 << 30,
   called after each tensor (progress)."""
   from safetensors.numpy import save_file
   ckpt = GGUFCheckpoint(path)
-  model = llama.model_from_hf_config(hf_config(ckpt), "float32")   # checks the config
+  model = convert_llama.model_from_hf_config(hf_config(ckpt), "float32")   # checks the config
   out = Path(out_dir)
   tmp = out.with_name(out.name + ".partial")
   shutil.rmtree(tmp, ignore_errors=True)
@@ -491,7 +493,7 @@ def convert(path: str | Path, out_dir: str | Path, shard_bytes: int = 1 << 30,
   if shard:
     shards.append(_save_shard(save_file, tmp, shard, len(shards)))
   _write_index(tmp, shards)
-  (tmp / "config.json").write_text(json.dumps(llama.hf_config(model), indent=2))
+  (tmp / "config.json").write_text(json.dumps(convert_llama.hf_config(model), indent=2))
   (tmp / "generation_config.json").write_text(json.dumps(generation_config(ckpt), indent=2))
   build_tokenizer(ckpt).save_pretrained(str(tmp))
   shutil.rmtree(out, ignore_errors=True)

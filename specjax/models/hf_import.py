@@ -1,12 +1,8 @@
 """Hugging Face checkpoints <-> specjax params: local directories, safetensors, tokenizers.
 
-Each model module (t5.py, decoder.py, llama.py) provides the architecture-specific pieces:
-  MODEL_TYPES: tuple of HF `model_type` strings it reads
-  model_from_hf_config(hf_config: dict, dtype: str) -> model
-  params_from_hf(model, tensors: Mapping[str, np.ndarray]) -> params
-  params_to_hf(model, params) -> dict[str, np.ndarray]
-  hf_config(model) -> dict
-This module finds files, reads and writes them, and dispatches on `model_type`.
+Each family's conversion module (models/convert/: gpt2, llama, t5) provides the
+architecture-specific pieces (MODEL_TYPES, model_from_hf_config, params_from_hf, params_to_hf,
+hf_config). This module finds files, reads and writes them, and dispatches on `model_type`.
 
 Loading streams: `load_model` hands params_from_hf a lazy mapping (`hf_tensors.LazyTensors`) in
 which each lookup reads one tensor from its memory-mapped safetensors file; the modules check
@@ -22,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax.models import convert
 from specjax.models.hf_tensors import CorruptCheckpointError, LazyTensors
 
 
@@ -34,8 +31,7 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 
 def _registry():
-  from specjax.models import decoder, llama, t5
-  return {mt: mod for mod in (t5, decoder, llama) for mt in mod.MODEL_TYPES}
+  return convert.families()
 
 
 def resolve_checkpoint(name_or_dir: str) -> Path:

@@ -220,3 +220,17 @@ class FiniteChecks:
         where = (self.tensors.file(name) if isinstance(self.tensors, LazyTensors)
                  else getattr(self.tensors, "path", "?"))
         raise NonFiniteTensorError(name, Path(where), int(count))
+
+
+def tree_set(tree: dict, path: tuple[str, ...], value) -> None:
+  """tree[path[0]][path[1]]... = value, making the dicts on the way."""
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def tree_get(tree: dict, path: tuple[str, ...]):
+  """tree[path[0]][path[1]]..."""
+  for key in path:
+    tree = tree[key]
+  return tree

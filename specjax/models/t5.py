@@ -5,8 +5,8 @@ decoder layer in the KVCache; `extend` only runs the decoder. Decoder relative-p
 from ABSOLUTE per-row positions (query lengths[b]+t, key s), so a verify block of T tokens, T
 single-token calls, and a rewound-then-re-extended cache all see the same biases.
 
-Params are a plain nested dict, laid out by ONE table (`_param_table`, which also names the HF
-tensors) used by `init_params`, `params_from_hf` and `params_to_hf`:
+Params are a plain nested dict, laid out by ONE table (`param_table`, which also names the HF
+tensors) used by `init_params` and by models/convert/t5.py's import and export:
   shared/embedding [V,D]; lm_head/kernel [D,V] (only when untied);
   {encoder,decoder}/relpos_bias [buckets,H]; {encoder,decoder}/final_norm/scale [D];
   and each stack's layers stacked under one subtree with a leading [L] axis (run by `nn.scan`):
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -352,8 +351,8 @@ class T5(ModelBase):
     compile, and a T5 has ~100 tensors. (The draw is params-sized; for a huge model init sharded,
     or import a checkpoint.)"""
     cfg = self.config
-    paths = list(_param_table(cfg, untied=not cfg.tie_word_embeddings))
-    specs = [_leaf_spec(cfg, path) for path in paths]
+    paths = list(param_table(cfg, untied=not cfg.tie_word_embeddings))
+    specs = [leaf_spec(cfg, path) for path in paths]
     sizes = [math.prod(shape) if std is not None else 0 for shape, std in specs]
     noise = jax.random.normal(rng, (sum(sizes),), jnp.float32)
     params: Params = {}
@@ -363,7 +362,7 @@ class T5(ModelBase):
         value = jnp.ones(shape, self.dtype)
       else:
         value = (noise[offset:offset + size].reshape(shape) * std).astype(self.dtype)
-      _set(params, path, value)
+      hf_tensors.tree_set(params, path, value)
       offset += size
     return layouts.to_layout(params, cfg.scan_layers)
 
@@ -416,39 +415,7 @@ class T5(ModelBase):
                                              select, method=_T5Module.decode)
     return logits, hidden, (k, v)
 
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face T5ForConditionalGeneration import / export (dispatched to by hf_import.py).
-
-MODEL_TYPES = ("t5",)
-MODEL_CLASS = T5
-# Present in some checkpoints, never used: copies of shared.weight, and an unused cross-attention
-# bias table that old transformers versions created.
-_HF_IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
-               "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")
-
-
-def model_from_hf_config(hf_config: dict, dtype: str) -> T5:
-  get = hf_config.get
-  tie = bool(get("tie_word_embeddings", True))
-  eos = get("eos_token_id", 1)
-  pad = get("pad_token_id", 0)
-  pad = 0 if pad is None else pad
-  start = get("decoder_start_token_id")
-  return T5(T5Config(
-      vocab_size=hf_config["vocab_size"], d_model=hf_config["d_model"], d_kv=hf_config["d_kv"],
-      d_ff=hf_config["d_ff"], num_heads=hf_config["num_heads"], num_layers=hf_config["num_layers"],
-      num_decoder_layers=get("num_decoder_layers") or hf_config["num_layers"],
-      relative_attention_num_buckets=get("relative_attention_num_buckets", 32),
-      relative_attention_max_distance=get("relative_attention_max_distance", 128),
-      feed_forward_proj=get("feed_forward_proj", "relu"), tie_word_embeddings=tie,
-      scale_decoder_outputs=bool(get("scale_decoder_outputs", tie)),
-      layer_norm_epsilon=get("layer_norm_epsilon", 1e-6), pad_token_id=pad,
-      eos_token_id=eos[0] if isinstance(eos, (list, tuple)) else eos,
-      decoder_start_token_id=pad if start is None else start, dtype=dtype))
-
-
-def _param_table(cfg: T5Config, untied: bool) -> dict[tuple[str, ...], tuple[str, bool]]:
+def param_table(cfg: T5Config, untied: bool) -> dict[tuple[str, ...], tuple[str, bool]]:
   """THE parameter layout: our param path -> (HF tensor name, transposed?). Used by init, import
   and export. Leaves under {encoder,decoder}/layers are stacked [L, ...]; their HF name has `{i}`
   for the layer. torch Linear weights are [out, in], ours [in, out]."""
@@ -473,16 +440,12 @@ def _param_table(cfg: T5Config, untied: bool) -> dict[tuple[str, ...], tuple[str
       names[ours + ("mlp", proj, "kernel")] = (f"{hf}.DenseReluDense.{proj}.weight", True)
     names[ours + ("mlp_norm", "scale")] = (f"{hf}.layer_norm.weight", False)
   return names
-
-
-def _num_layers(cfg: T5Config, path: tuple[str, ...]) -> int | None:
+def stacked_layers(cfg: T5Config, path: tuple[str, ...]) -> int | None:
   """L of a stacked leaf ({encoder,decoder}/layers/...), None for the others."""
   if path[1:2] != ("layers",):
     return None
   return cfg.num_layers if path[0] == "encoder" else cfg.num_decoder_layers
-
-
-def _leaf_spec(cfg: T5Config, path: tuple[str, ...]) -> tuple[tuple[int, ...], float | None]:
+def leaf_spec(cfg: T5Config, path: tuple[str, ...]) -> tuple[tuple[int, ...], float | None]:
   """(shape, init std) of a param, [L] first when stacked; std None means ones (norm scales).
   Stds as mesh-tf / HF T5."""
   name = path[-2] if path[-1] == "kernel" else path[-1]
@@ -495,106 +458,5 @@ def _leaf_spec(cfg: T5Config, path: tuple[str, ...]) -> tuple[tuple[int, ...], f
       "wi": ((d, f), d ** -0.5), "wi_0": ((d, f), d ** -0.5), "wi_1": ((d, f), d ** -0.5),
       "wo": ((f, d), f ** -0.5), "scale": ((d,), None),
   }[name]
-  layers = _num_layers(cfg, path)
+  layers = stacked_layers(cfg, path)
   return ((layers,) + shape if layers else shape), std
-
-
-def _hf_shapes(cfg: T5Config, names) -> dict[str, tuple[int, ...]]:
-  """HF tensor name -> the shape the config implies, one entry per layer of stacked leaves."""
-  shapes = {}
-  for path, (hf, transpose) in names.items():
-    shape = _leaf_spec(cfg, path)[0]
-    layers = _num_layers(cfg, path)
-    shape = shape[1:] if layers else shape
-    shape = shape[::-1] if transpose else shape
-    for i in range(layers or 1):
-      shapes[hf.format(i=i)] = shape
-  return shapes
-
-
-def _set(tree: dict, path: tuple[str, ...], value) -> None:
-  for key in path[:-1]:
-    tree = tree.setdefault(key, {})
-  tree[path[-1]] = value
-
-
-def _get(tree: dict, path: tuple[str, ...]):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _untied_in_checkpoint(model: T5, tensors: Mapping[str, np.ndarray]) -> bool:
-  """A separate head when the config says so, or when lm_head.weight differs from shared.weight
-  (transformers >= 5 writes tie_word_embeddings=true for v1.1 and keeps the real lm_head)."""
-  if "lm_head.weight" not in tensors:
-    return False
-  if not model.config.tie_word_embeddings:
-    return True
-  return not np.array_equal(np.asarray(tensors["lm_head.weight"]),
-                            np.asarray(tensors["shared.weight"]))
-
-
-def _reader(tensors: Mapping[str, np.ndarray], hf: str, transpose: bool):
-  """i -> tensor `hf` (layer i's when stacked) in our orientation, read when called."""
-  def read(i: int) -> np.ndarray:
-    array = np.asarray(tensors[hf.format(i=i)])
-    return array.T if transpose else array
-  return read
-
-
-def params_from_hf(model: T5, tensors: Mapping[str, np.ndarray]) -> Params:
-  """HF T5 tensors (a lazy mapping: each lookup reads one tensor) -> params on the device in the
-  model dtype, in the model's layer layout (built stacked, then split if scan_layers=False).
-  Names, shapes and dtypes are checked before any data is read."""
-  cfg = model.config
-  names = _param_table(cfg, untied="lm_head.weight" in tensors)
-  shapes = _hf_shapes(cfg, names)
-  hf_tensors.check_tensors(tensors, shapes, "T5", "config.json does not match model.safetensors.")
-  unexpected = sorted(set(tensors) - set(shapes) - set(_HF_IGNORED))
-  if unexpected:
-    raise ValueError(f"T5 checkpoint has {len(unexpected)} tensors the config does not explain, "
-                     f"e.g. {unexpected[:3]}: check num_layers / feed_forward_proj in config.json.")
-  if not _untied_in_checkpoint(model, tensors):
-    names.pop(("lm_head", "kernel"), None)
-  params: Params = {}
-  for path, (hf, transpose) in names.items():
-    read = _reader(tensors, hf, transpose)
-    layers = _num_layers(cfg, path)
-    value = (hf_tensors.stack_layers(read, layers, model.dtype) if layers
-             else hf_tensors.to_device(read(0), model.dtype))
-    _set(params, path, value)
-  return layouts.to_layout(params, cfg.scan_layers, free_stacked=True)
-
-
-def params_to_hf(model: T5, params: Params) -> dict[str, np.ndarray]:
-  """params (either layer layout) -> the tensors T5ForConditionalGeneration writes."""
-  params = layouts.stack(params)
-  out = {}
-  for path, (hf, transpose) in _param_table(model.config, "lm_head" in params).items():
-    array = np.asarray(_get(params, path))
-    layers = _num_layers(model.config, path)
-    for i in range(layers or 1):
-      tensor = array[i] if layers else array
-      out[hf.format(i=i)] = tensor.T if transpose else tensor
-  return out
-
-
-def hf_config(model: T5) -> dict:
-  """A config.json that transformers (4.x and 5.x) loads as T5ForConditionalGeneration."""
-  cfg = model.config
-  return {
-      "architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
-      "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "d_kv": cfg.d_kv, "d_ff": cfg.d_ff,
-      "num_heads": cfg.num_heads, "num_layers": cfg.num_layers,
-      "num_decoder_layers": cfg.num_decoder_layers,
-      "relative_attention_num_buckets": cfg.relative_attention_num_buckets,
-      "relative_attention_max_distance": cfg.relative_attention_max_distance,
-      "feed_forward_proj": cfg.feed_forward_proj, "dense_act_fn": cfg.activation,
-      "is_gated_act": cfg.is_gated, "layer_norm_epsilon": cfg.layer_norm_epsilon,
-      "tie_word_embeddings": cfg.tie_word_embeddings,
-      "scale_decoder_outputs": cfg.scale_decoder_outputs,
-      "pad_token_id": cfg.pad_token_id, "eos_token_id": cfg.eos_token_id,
-      "decoder_start_token_id": cfg.decoder_start_token_id, "is_encoder_decoder": True,
-      "dropout_rate": 0.1, "initializer_factor": 1.0, "use_cache": True, "torch_dtype": "float32",
-  }

@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import pre_tokenizers, trainers  # noqa: E402
 
 from specjax.app import builders, resolve  # noqa: E402
-from specjax.data import tokenizer as tokenizer_lib  # noqa: E402
+from specjax.data import gguf_tokenizer, tokenizer as tokenizer_lib  # noqa: E402
 from specjax.models import Prompt, gguf_import  # noqa: E402
 
 Q8_0, Q4_K = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K
@@ -296,7 +296,8 @@ def test_resolve_converts_once_and_loads(written, imported, tmp_path, monkeypatc
 
 def test_converted_directory_loads_in_transformers(written, tmp_path):
   _, hf_model, path, _, _ = written
-  out = gguf_import.convert(path, tmp_path / "hf")
+  ckpt = gguf_import.GGUFCheckpoint(path)
+  out = gguf_import.convert(ckpt, tmp_path / "hf", gguf_tokenizer.build(ckpt))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   row = [5, 40, 17, 3]
   np.testing.assert_allclose(_torch_logits(reloaded, row), _torch_logits(hf_model, row),

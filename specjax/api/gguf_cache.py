@@ -1,9 +1,9 @@
 """GGUF checkpoints -> cached Hugging Face directories.
 
 A GGUF is converted once (dequantized to bfloat16 safetensors shards, with config.json and the
-tokenizer files; specjax.models.gguf_import.convert) into CACHE/gguf/STEM-KEY, where KEY digests
-the file's absolute path, size, modification time and the converter version, so an edited or
-replaced file is converted again. Later runs load the directory like any HF checkpoint: reading
+tokenizer files: models/gguf_import.convert, data/gguf_tokenizer.build) into CACHE/gguf/STEM-KEY,
+where KEY digests the file's absolute path, size, modification time and the converter version,
+so an edited or replaced file is converted again. Later runs load the directory like any HF checkpoint: reading
 the GGUF again would parse its metadata (~15 s for a 150k-token vocabulary) and dequantize every
 tensor with numpy (about a minute per billion weights on 2 cores).
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from specjax.data import gguf_tokenizer
 from specjax.data.cache import build_lock, cache_dir, settings_key
 from specjax.models import gguf_import
 
@@ -44,8 +45,11 @@ def _convert(path: Path, stat, out: Path) -> None:
            path.name, stat.st_size / 1e9, out)
   with _progress() as bar:
     task = bar.add_task(f"dequantizing {path.name}", total=None)
-    gguf_import.convert(path, out, on_tensor=lambda done, total, name: bar.update(
-        task, completed=done, total=total, description=f"dequantizing {path.name}: {name}"))
+    ckpt = gguf_import.GGUFCheckpoint(path)
+    gguf_import.convert(ckpt, out, gguf_tokenizer.build(ckpt),
+                        on_tensor=lambda done, total, name: bar.update(
+                            task, completed=done, total=total,
+                            description=f"dequantizing {path.name}: {name}"))
 
 
 def _progress() -> Progress:

@@ -184,13 +184,14 @@ class HFTokenizer:
   def from_gguf(cls, path: str | os.PathLike) -> "HFTokenizer":
     """The tokenizer a GGUF file's metadata describes (byte-level BPE, its chat template, and
     every end-of-generation id), built in memory."""
+    from specjax.data import gguf_tokenizer
     from specjax.models import gguf_import
     ckpt = gguf_import.GGUFCheckpoint(path)
     ids = gguf_import.generation_config(ckpt)
     eos_ids = tuple(_id_list(ids.get("eos_token_id")))
     if not eos_ids:
       raise ValueError(f"the GGUF file {path} defines no EOS token (tokenizer.ggml.eos_token_id)")
-    return cls(path=str(path), tok=gguf_import.build_tokenizer(ckpt), eos_ids=eos_ids,
+    return cls(path=str(path), tok=gguf_tokenizer.build(ckpt), eos_ids=eos_ids,
                bos_id=_first_id(ids.get("bos_token_id"), eos_ids[0]),
                pad_id=_first_id(ids.get("pad_token_id"), eos_ids[0]))
 

@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's format) -> a Llama-family model, its params and its tokenizer.
+"""GGUF files (llama.cpp's format) -> a Llama-family model and its params.
 
 A GGUF holds metadata (the architecture's hyperparameters under `<arch>.*`, the tokenizer under
 `tokenizer.*`) and tensors, most of them quantized in blocks of 32 or 256 values. The import goes
@@ -11,11 +11,10 @@ both formats:
   store the q/k rows of every head with the rotary halves interleaved (llama.cpp's converter
   permutes them for its rope kernel): `_unpermute` undoes that. qwen2 / qwen3 GGUFs do not permute.
 
-The tokenizer is rebuilt from `tokenizer.ggml.*`: a byte-level BPE (`model` gpt2) from the tokens
-and merges, split by the regex its `pre` names, control tokens special and user-defined ones added
-whole, wrapped as a transformers fast tokenizer with the file's chat template. `convert` writes the
-whole checkpoint as a Hugging Face directory (config.json, safetensors shards, tokenizer files,
-generation_config.json) that every specjax loader and transformers read.
+The tokenizer is rebuilt from `tokenizer.ggml.*` in the data layer (data/gguf_tokenizer.py);
+here are the special ids the metadata names (`special_ids`). `convert` writes the whole
+checkpoint as a Hugging Face directory (config.json, safetensors shards, the tokenizer it is
+given, generation_config.json) that every specjax loader and transformers read.
 
 Files are checked before the `gguf` reader parses them (`check_file`): a truncated or corrupted
 file is refused with the byte offset and what was expected there.
@@ -34,7 +33,6 @@ import numpy as np
 
 from specjax.models import hf_tensors
 from specjax.models.convert import llama as convert_llama
-from specjax.models.transformers_lock import TRANSFORMERS
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +54,10 @@ _LAYER_NAMES = {
        for kind in ("weight", "bias")},
 }
 
-# Pre-tokenizer regexes by `tokenizer.ggml.pre` (from the models' own tokenizer.json files).
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_TOKENIZERS = ("default", "gpt2", "qwen2", "llama-bpe", "llama3", "smollm")
-
 # Control tokens that end a generation besides the file's eos/eot/eom ids (llama.cpp's list).
 _END_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
               "<end_of_turn>", "<|end_of_text|>", "<EOT>")
-_CONTROL, _USER_DEFINED = 3, 4   # gguf.TokenType
+CONTROL, USER_DEFINED = 3, 4   # gguf.TokenType of control and user-defined tokens
 
 
 class GGUFError(ValueError):
@@ -354,7 +345,7 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
       rope_scaling=_rope_scaling(ckpt),
       max_position_embeddings=int(ckpt.get("context_length", 4096)),
       tie_word_embeddings="output.weight" not in ckpt.tensors, hidden_act="silu",
-      **_special_ids(ckpt.metadata))
+      **special_ids(ckpt.metadata))
   if arch == "llama":    # biases are visible only as tensors
     config["attention_bias"] = "blk.0.attn_q.bias" in ckpt.tensors
     config["mlp_bias"] = "blk.0.ffn_up.bias" in ckpt.tensors
@@ -375,13 +366,13 @@ def _rope_scaling(ckpt: GGUFCheckpoint) -> dict | None:
   raise GGUFError(f"{ckpt.path}: rope scaling '{kind}' is not supported (none, linear).")
 
 
-def _special_ids(metadata: dict) -> dict:
+def special_ids(metadata: dict) -> dict:
   """bos / eos (every end-of-generation id, the file's eos first) / pad of the tokenizer."""
   get = lambda name: metadata.get(f"tokenizer.ggml.{name}_token_id")
   tokens = metadata.get("tokenizer.ggml.tokens") or []
   types = metadata.get("tokenizer.ggml.token_type") or []
   ends = [i for i, (text, kind) in enumerate(zip(tokens, types))
-          if kind == _CONTROL and text in _END_TEXTS]
+          if kind == CONTROL and text in _END_TEXTS]
   eos = [i for i in (get("eos"), get("eot"), get("eom"), *ends) if i is not None]
   eos = list(dict.fromkeys(int(i) for i in eos))
   return dict(bos_token_id=get("bos"), pad_token_id=get("padding"),
@@ -395,62 +386,9 @@ def load_model(path: str | Path, dtype: str = "float32"):
   return model, convert_llama.params_from_hf(model, HFTensors(ckpt))
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenizer.
-
-
-def build_tokenizer(ckpt: GGUFCheckpoint):
-  """A transformers fast tokenizer from the metadata (byte-level BPE only)."""
-  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-  from tokenizers import pre_tokenizers
-  meta = ckpt.metadata
-  kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
-  if kind != "gpt2":
-    raise GGUFError(f"{ckpt.path}: tokenizer.ggml.model '{kind}' is not supported (specjax builds "
-                    f"byte-level BPE tokenizers, 'gpt2'); name a tokenizer directory instead.")
-  if pre not in _PRE_TOKENIZERS:
-    raise GGUFError(f"{ckpt.path}: tokenizer.ggml.pre '{pre}' is not supported; known: "
-                    f"{', '.join(_PRE_TOKENIZERS)}.")
-  tokens = list(meta["tokenizer.ggml.tokens"])
-  merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-  # Llama 3's tokenizer.json looks a piece up whole before merging (ignore_merges); Qwen2's not.
-  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                             ignore_merges=pre in ("llama-bpe", "llama3")))
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-  if pre in ("qwen2", "llama-bpe", "llama3"):
-    split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
-  elif pre == "smollm":
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True),
-         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-  else:
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if pre == "qwen2":
-    tok.normalizer = normalizers.NFC()
-  tok.decoder = decoders.ByteLevel()
-  types = list(meta.get("tokenizer.ggml.token_type") or [])
-  added = lambda kind: [t for t, k in zip(tokens, types) if k == kind]
-  tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                          for t in added(_CONTROL)])
-  tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added(_USER_DEFINED)])
-  ids = _special_ids(meta)
-  name = lambda i: tokens[i] if i is not None else None
-  eos = ids["eos_token_id"]
-  with TRANSFORMERS:
-    import transformers
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=name(ids["bos_token_id"]),
-        eos_token=name(eos[0] if isinstance(eos, list) else eos),
-        pad_token=name(ids["pad_token_id"]),
-        unk_token=name(meta.get("tokenizer.ggml.unknown_token_id")),
-        chat_template=meta.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False)
-
-
 def generation_config(ckpt: GGUFCheckpoint) -> dict:
   """generation_config.json: every end-of-generation id, bos and pad."""
-  return {k: v for k, v in _special_ids(ckpt.metadata).items() if v is not None}
+  return {k: v for k, v in special_ids(ckpt.metadata).items() if v is not None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,14 +405,14 @@ def storage_dtype(ckpt: GGUFCheckpoint, gguf_name: str):
           "BF16": ml_dtypes.bfloat16}[ckpt.tensors[gguf_name].tensor_type.name]
 
 
-def convert(path: str | Path, out_dir: str | Path, shard_bytes: int = 1 << 30,
+def convert(ckpt: "GGUFCheckpoint", out_dir: str | Path, tokenizer, shard_bytes: int = 1 << 30,
             on_tensor: Callable[[int, int, str], None] | None = None) -> Path:
-  """Writes the GGUF as a Hugging Face checkpoint directory (config.json, model safetensors
-  shards of at most `shard_bytes` + index, tokenizer files, generation_config.json), tensor by
-  tensor; built under OUT.partial and renamed when complete. on_tensor(done, total, name) is
-  called after each tensor (progress)."""
+  """Writes the opened GGUF as a Hugging Face checkpoint directory (config.json, model
+  safetensors shards of at most `shard_bytes` + index, generation_config.json, and the files of
+  `tokenizer`: the one the metadata describes, data/gguf_tokenizer.build), tensor by tensor;
+  built under OUT.partial and renamed when complete. on_tensor(done, total, name) is called
+  after each tensor (progress)."""
   from safetensors.numpy import save_file
-  ckpt = GGUFCheckpoint(path)
   model = convert_llama.model_from_hf_config(hf_config(ckpt), "float32")   # checks the config
   out = Path(out_dir)
   tmp = out.with_name(out.name + ".partial")
@@ -495,7 +433,7 @@ def convert(path: str | Path, out_dir: str | Path, shard_bytes: int = 1 << 30,
   _write_index(tmp, shards)
   (tmp / "config.json").write_text(json.dumps(convert_llama.hf_config(model), indent=2))
   (tmp / "generation_config.json").write_text(json.dumps(generation_config(ckpt), indent=2))
-  build_tokenizer(ckpt).save_pretrained(str(tmp))
+  tokenizer.save_pretrained(str(tmp))
   shutil.rmtree(out, ignore_errors=True)
   tmp.rename(out)
   return out

@@ -3,9 +3,9 @@
 A GGUF is converted once (dequantized to bfloat16 safetensors shards, with config.json and the
 tokenizer files: models/gguf_import.convert, data/gguf_tokenizer.build) into CACHE/gguf/STEM-KEY,
 where KEY digests the file's absolute path, size, modification time and the converter version,
-so an edited or replaced file is converted again. Later runs load the directory like any HF checkpoint: reading
-the GGUF again would parse its metadata (~15 s for a 150k-token vocabulary) and dequantize every
-tensor with numpy (about a minute per billion weights on 2 cores).
+so an edited or replaced file is converted again. Later runs load the directory like any HF
+checkpoint: reading the GGUF again would parse its metadata (~15 s for a 150k-token vocabulary)
+and dequantize every tensor with numpy (about a minute per billion weights on 2 cores).
 """
 
 from __future__ import annotations

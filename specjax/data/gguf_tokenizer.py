@@ -52,7 +52,8 @@ def build(ckpt: GGUFCheckpoint):
   added = lambda kind: [t for t, k in zip(tokens, types) if k == kind]
   tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                           for t in added(gguf_import.CONTROL)])
-  tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added(gguf_import.USER_DEFINED)])
+  tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                  for t in added(gguf_import.USER_DEFINED)])
   ids = gguf_import.special_ids(meta)
   name = lambda i: tokens[i] if i is not None else None
   eos = ids["eos_token_id"]

@@ -1,14 +1,17 @@
 """The typed model contract (models.Model): every family and the toy models state what the loops,
 sharding and loading read (position bound, decoder start, heads, layout, quant), so nothing
-probes a model's config for them."""
+probes a model's config for them; and the decoder-only families are configurations of one
+transformer."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from specjax import testing
 from specjax.decoding import sharded, state
-from specjax.models import Model, llama
+from specjax.models import Model, llama, transformer
 
 
 def _families():
@@ -41,3 +44,21 @@ def test_the_contracts_values_are_each_familys_own():
   assert (qwen.layout, gpt2.layout, t5.layout) == ("out_in", "in_out", "in_out")
   assert (qwen.quant, t5.quant) == ("", "")
   assert testing.ToyAR(vocab_size=5, num_positions=3).heads is None
+
+
+def test_gpt2_and_the_llama_family_are_configurations_of_one_transformer():
+  """One module, each family's switches and param names: GPT-2's LayerNorms (ln_1, ln_2, ln_f),
+  learned positions and wi / wo MLP; Qwen3's RMSNorms, q/k norms and SwiGLU (wi_0, wi_1, wo)."""
+  gpt2, _, qwen = _families()
+  assert type(gpt2.module) is type(qwen.module) is transformer.Transformer
+  g, q = gpt2.config.arch(), dataclasses.replace(qwen.config, qk_norm=True).arch()
+  assert (g.norm, g.rope, g.mlp, g.num_kv_heads) == ("layer", None, "gelu_new", g.num_heads)
+  assert (q.norm, q.mlp, q.num_kv_heads, q.rope) == ("rms", transformer.SWIGLU, 2, qwen.config.rope)
+  shapes = lambda model: jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
+  gp = shapes(gpt2)
+  qp = shapes(llama.Llama(dataclasses.replace(qwen.config, qk_norm=True)))
+  assert {"token_embed", "pos_embed", "ln_f"} <= set(gp) and "final_norm" in qp
+  assert {"ln_1", "ln_2"} <= set(gp["layers"]) and set(gp["layers"]["mlp"]) == {"wi", "wo"}
+  assert set(qp["layers"]["mlp"]) == {"wi_0", "wi_1", "wo"}
+  assert {"q_norm", "k_norm"} <= set(qp["layers"]["attention"])
+  assert qp["layers"]["attention"]["key"]["kernel"].shape[-2:] == (8, 32)    # out_in: Hkv*Dh=8

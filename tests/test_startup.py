@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import mmap
 import shutil
 import time
 
@@ -121,8 +122,10 @@ def test_the_probe_samples_anonymous_memory():
   anon = startup_probe.AnonPeak()
   if anon.peak is None:
     pytest.skip("no /proc/self/status")
-  block = bytearray(64 << 20)            # 64 MiB of anonymous memory, touched
+  # 64 MiB of fresh anonymous pages, touched: a mapping of its own, since a heap block could
+  # reuse pages the worker process already holds (freed by earlier tests, still resident)
+  block = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
   block[::4096] = b"x" * len(block[::4096])
   time.sleep(0.1)                        # a few samples while it is held
-  del block
+  block.close()
   assert anon.take() >= anon.now() + 50

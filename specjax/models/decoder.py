@@ -1,6 +1,7 @@
-"""A GPT-2 compatible decoder-only LM that follows the model contract (specjax/models/__init__.py).
+"""A GPT-2 compatible decoder-only LM that follows the model contract (specjax/models/__init__.py):
+a configuration of the one transformer (models/transformer.py; `DecoderConfig.arch`).
 
-Pre-norm transformer blocks with learned absolute position embeddings, so that Hugging Face `gpt2`
+Pre-norm blocks with learned absolute position embeddings, so that Hugging Face `gpt2`
 checkpoints load unchanged (`hf_import.load_model`) and logits match `GPT2LMHeadModel`. The same
 code serves the DistillSpec LM1B pair (`lm1b_config`) trained from scratch.
 
@@ -13,30 +14,15 @@ last prompt position of each row.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from typing import Any
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-
-from specjax.models import attention, dense_layout, layers, quant
+from specjax.models import dense_layout, quant, transformer
 from specjax.models import kv_cache as kvc
 from specjax.models.decoder_only import DecoderOnly
 from specjax.models.sub_vocab import SubVocab
 
 Params = Any
 
-_ACTIVATIONS = {
-    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-}
 _DTYPES = ("float32", "bfloat16")
 _PRECISIONS = ("default", "high", "highest")
 
@@ -73,9 +59,9 @@ class DecoderConfig:
   def __post_init__(self):
     if self.precision not in _PRECISIONS:
       raise ValueError(f"precision '{self.precision}' is not supported; use one of {_PRECISIONS}.")
-    if self.activation not in _ACTIVATIONS:
+    if self.activation not in transformer.ACTIVATIONS:
       raise ValueError(f"activation '{self.activation}' is not supported; use one of "
-                       f"{sorted(_ACTIVATIONS)}.")
+                       f"{sorted(transformer.ACTIVATIONS)}.")
     if self.dtype not in _DTYPES:
       raise ValueError(f"dtype '{self.dtype}' is not supported; use one of {_DTYPES}.")
     if self.quant not in quant.QUANTS:
@@ -87,6 +73,20 @@ class DecoderConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  def arch(self) -> transformer.Arch:
+    """GPT-2 as a configuration of the one transformer: LayerNorm (ln_1, ln_2, ln_f), learned
+    positions, an activation MLP (wi, wo), biases everywhere, out-projections initialised at
+    0.02 / sqrt(2L)."""
+    return transformer.Arch(
+        vocab_size=self.vocab_size, d_model=self.d_model, num_layers=self.num_layers,
+        num_heads=self.num_heads, num_kv_heads=self.num_heads, head_dim=self.head_dim,
+        d_ff=self.d_ff, norm="layer", norm_eps=self.layer_norm_epsilon,
+        norm_names=("ln_1", "ln_2", "ln_f"), mlp=self.activation, n_positions=self.n_positions,
+        qkv_bias=True, out_bias=True, mlp_bias=True, scaled_out_init=True,
+        tie_word_embeddings=self.tie_word_embeddings, dtype=self.dtype,
+        precision=self.precision, scan_layers=self.scan_layers, head_subset=self.head_subset,
+        quant=self.quant, layout=self.layout)
 
 
 def lm1b_config(size: str, **overrides) -> DecoderConfig:
@@ -107,144 +107,6 @@ def lm1b_config(size: str, **overrides) -> DecoderConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Linen modules.
-
-
-def _init(std: float):
-  return nn.initializers.normal(stddev=std)
-
-
-class _Table(nn.Module):
-  """One named weight matrix (embedding tables, untied LM head), read as a raw array."""
-  leaf: str
-  shape: tuple[int, int]
-  std: float
-  dtype: str
-
-  @nn.compact
-  def __call__(self):
-    return self.param(self.leaf, _init(self.std), self.shape, jnp.dtype(self.dtype))
-
-
-def _dense(cfg: DecoderConfig, features: int, *, name: str, kernel_init) -> nn.Module:
-  return quant.dense(features, quant=cfg.quant, dtype=jnp.dtype(cfg.dtype),
-                     precision=cfg.precision, kernel_init=kernel_init, name=name,
-                     layout=cfg.layout)
-
-
-class _Attention(nn.Module):
-  cfg: DecoderConfig
-
-  @nn.compact
-  def __call__(self, x, k_buf, v_buf, mask):
-    """x [B,T,D]; k_buf, v_buf [B,H,S,Dh] one layer of the cache (read only); mask = (old [B,1,S]
-    cache entries < lengths, new [T,T] causal). Returns the output and this block's k, v
-    [B,T,H,Dh]: the caller writes every layer's entries in one go (no per-layer buffer copies)."""
-    cfg = self.cfg
-    batch, num_new, _ = x.shape
-    heads, head_dim = cfg.num_heads, cfg.head_dim
-    dense = functools.partial(_dense, cfg, heads * head_dim, kernel_init=_init(0.02))
-    q = dense(name="query")(x).reshape(batch, num_new, heads, head_dim)          # [B, T, H, Dh]
-    k = dense(name="key")(x).reshape(batch, num_new, heads, head_dim)
-    v = dense(name="value")(x).reshape(batch, num_new, heads, head_dim)
-    old_mask, new_mask = mask
-    segments = [(k_buf, v_buf, old_mask, None),                                  # the cache
-                (attention.heads_first(k), attention.heads_first(v), new_mask[None], None)]
-    ctx = attention.attend(q, segments, scale=1.0 / math.sqrt(head_dim),
-                           precision=cfg.precision)                              # [B, T, H*Dh]
-    out = _dense(cfg, cfg.d_model, name="out",
-                 kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(ctx)        # [B, T, D]
-    return out, k, v
-
-
-class _Mlp(nn.Module):
-  cfg: DecoderConfig
-
-  @nn.compact
-  def __call__(self, x):
-    cfg = self.cfg
-    dense = functools.partial(_dense, cfg)
-    h = dense(cfg.d_ff, name="wi", kernel_init=_init(0.02))(x)
-    h = _ACTIVATIONS[cfg.activation](h)                                        # [B, T, F]
-    return dense(cfg.d_model, name="wo",
-                 kernel_init=_init(0.02 / math.sqrt(2 * cfg.num_layers)))(h)
-
-
-class _Block(nn.Module):
-  """One layer; `_Blocks` scans it over the stacked params and the cache's layer axis, or the
-  unstacked layout calls each layers_i in turn (layers.run)."""
-  cfg: DecoderConfig
-
-  @nn.compact
-  def __call__(self, x, layer_cache, mask):
-    """x [B,T,D] (the scan carry); layer_cache = (k_buf, v_buf) [B,H,S,Dh], this layer's slice of
-    the cache; mask as _Attention's, the same for every layer -> (x, (k, v) [B,T,H,Dh])."""
-    cfg = self.cfg
-    dt = jnp.dtype(cfg.dtype)
-    norm = functools.partial(nn.LayerNorm, epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt)
-    attn, k, v = _Attention(cfg, name="attention")(norm(name="ln_1")(x), *layer_cache, mask)
-    x = x + attn
-    x = x + _Mlp(cfg, name="mlp")(norm(name="ln_2")(x))
-    return x, (k, v)
-
-
-# One compiled layer whatever the depth: params get a leading [L] axis, the cache is read layer by
-# layer as a scanned input, and the block's new entries come out stacked [L, B, T, H, Dh].
-_IN_AXES = (0, nn.broadcast)      # (this layer's cache slice, the mask shared by every layer)
-_Blocks = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                  in_axes=_IN_AXES)
-
-
-class _Transformer(nn.Module):
-  """tokens [B,T] at positions lengths[b]+t -> (final-normed hidden, logits f32, and the block's
-  new keys and values [L,B,T,H,Dh], which the caller writes into the cache).
-
-  `select` ([B] indices into T, or None) keeps only one position per row before the LM head, so
-  that prefill does not compute [B,P,V] logits it throws away.
-  """
-  cfg: DecoderConfig
-
-  @nn.compact
-  def __call__(self, tokens, k, v, lengths, select=None):
-    cfg = self.cfg
-    dt = jnp.dtype(cfg.dtype)
-    num_new = tokens.shape[1]
-    wte = _Table("embedding", (cfg.vocab_size, cfg.d_model), 0.02, cfg.dtype,
-                 name="token_embed")()                                         # [V, D]
-    wpe = _Table("position_embedding", (cfg.n_positions, cfg.d_model), 0.01, cfg.dtype,
-                 name="pos_embed")()                                           # [N, D]
-    pos = kvc.positions(lengths, num_new)                                      # [B, T]
-    x = (jnp.take(wte, tokens, axis=0, mode="clip")
-         + jnp.take(wpe, pos, axis=0, mode="clip")).astype(dt)                  # [B, T, D]
-    mask = (jnp.arange(k.shape[3])[None, None, :] < lengths[:, None, None],     # [B, 1, S]
-            jnp.tril(jnp.ones((num_new, num_new), bool)))                      # [T, T]
-    if cfg.scan_layers:
-      blocks = _Blocks(cfg, name=layers.STACKED)
-    else:
-      blocks = [_Block(cfg, name=layers.layer_name(i)) for i in range(cfg.num_layers)]
-    x, (new_k, new_v) = layers.run(blocks, _IN_AXES, x, (k, v), mask)        # [L, B, T, H, Dh]
-    hidden = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=dt, param_dtype=dt,
-                          name="ln_f")(x)                                      # [B, T, D]
-    if select is not None:
-      hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
-    if cfg.quant == "int8":
-      logits = quant.int8_logits(hidden, cfg.vocab_size, cfg.head_subset)       # [..., V]
-    elif cfg.head_subset is not None:
-      head = _Table("kernel", (cfg.d_model, cfg.head_subset.size), 0.02, cfg.dtype,
-                    name="lm_head")()                                          # [D, K]
-      logits = cfg.head_subset.logits(hidden, head, cfg.precision)              # [..., V]
-    elif cfg.tie_word_embeddings:
-      logits = jnp.einsum("...d,vd->...v", hidden, wte, precision=cfg.precision,
-                          preferred_element_type=jnp.float32)
-    else:
-      head = _Table("kernel", (cfg.d_model, cfg.vocab_size), 0.02, cfg.dtype,
-                    name="lm_head")()                                          # [D, V]
-      logits = jnp.einsum("...d,dv->...v", hidden, head, precision=cfg.precision,
-                          preferred_element_type=jnp.float32)
-    return hidden, logits, new_k, new_v
-
-
-# ---------------------------------------------------------------------------------------------
 # The model object the decoding loop sees.
 
 
@@ -259,8 +121,8 @@ class Decoder(DecoderOnly):
     return self.config.n_positions
 
   @property
-  def module(self) -> _Transformer:
-    return _Transformer(self.config)
+  def module(self) -> transformer.Transformer:
+    return transformer.Transformer(self.config.arch())
 
   def init_cache(self, batch: int, max_len: int, enc_len: int = 0) -> kvc.KVCache:
     cfg = self.config

@@ -21,8 +21,8 @@ import numpy as np
 
 from specjax import sampling
 from specjax.decoding import sharded
-from specjax.decoding.state import (TARGET, Generation, SpecState, SpecStats,
-                                    OnChunk, Reserve, auto_capacity, chunk_loop, is_stop,
+from specjax.decoding.state import (TARGET, Generation, OnChunk, Reserve, SpecState, SpecStats,
+                                    auto_capacity, chunk_loop, is_stop, loop_jit,
                                     new_tokens_bucket, nonfinite_rows, run_loop, stop_ids,
                                     write_rows)
 from specjax.models import Prompt
@@ -107,7 +107,7 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
                   chunk_blocks=chunk_blocks, check=check_finite)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@loop_jit(static_argnums=0)
 def _run(setup: Setup, params, prompt, keys, knobs) -> SpecState:
   return loop(setup, (params,), (prompt,), keys, knobs)
 
@@ -164,7 +164,7 @@ def _init_jit(setup: Setup, params, prompt, keys, knobs) -> SpecState:
   return _init(with_knobs(setup, knobs), params, prompt, keys)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
+@loop_jit(static_argnums=(0, 3), donate_argnums=2)
 def _chunk_jit(setup: Setup, params, state: SpecState, steps: int, knobs) -> SpecState:
   step = functools.partial(_step, with_knobs(setup, knobs), params)
   return chunk_loop(step, state, steps)

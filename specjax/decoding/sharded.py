@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sharding
-from specjax.decoding.state import Generation, finish
+from specjax.decoding.state import Generation, finish, loop_compiler_options
 from specjax.models import kv_cache
 
 
@@ -136,7 +136,8 @@ def _jitted(loop, setup, tree, signature):
   out = jax.eval_shape(fn, *jax.tree_util.tree_unflatten(tree, structs))
   in_shardings = jax.tree_util.tree_unflatten(tree, [s for _, _, s in signature])
   return jax.jit(fn, in_shardings=tuple(in_shardings),
-                 out_shardings=state_shardings(out, setup.mesh))
+                 out_shardings=state_shardings(out, setup.mesh),
+                 compiler_options=loop_compiler_options())
 
 
 @functools.lru_cache(maxsize=64)

@@ -41,8 +41,8 @@ from specjax import sampling
 from specjax.acceptance import base, registry
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import ngram, sharded
-from specjax.decoding.state import (DRAFT, TARGET, Generation, SpecState, SpecStats,
-                                    OnChunk, Reserve, auto_capacity, chunk_loop, is_stop,
+from specjax.decoding.state import (DRAFT, TARGET, Generation, OnChunk, Reserve, SpecState,
+                                    SpecStats, auto_capacity, chunk_loop, is_stop, loop_jit,
                                     new_tokens_bucket, nonfinite_rows, run_loop, stop_ids,
                                     write_rows)
 from specjax.models import Prompt
@@ -180,7 +180,7 @@ def reserve(rule: base.Rule, gamma: int, draft: bool = False) -> Reserve:
                  what=f"gamma {gamma}")
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@loop_jit(static_argnums=0)
 def run(setup: Setup, target_params, draft_params, prompt: Prompt, draft_prompt: Prompt,
         keys: jax.Array, knobs) -> SpecState:
   """The whole generation as one compiled call; returns the final SpecState (caches included).
@@ -486,7 +486,7 @@ def _init_jit(setup: Setup, target_params, draft_params, prompt, draft_prompt, k
   return init(with_knobs(setup, knobs), target_params, draft_params, prompt, draft_prompt, keys)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)
+@loop_jit(static_argnums=(0, 5), donate_argnums=4)
 def _chunk_jit(setup: Setup, target_params, draft_params, anchors: Anchors, state: SpecState,
                blocks: int, knobs) -> SpecState:
   setup = with_knobs(setup, knobs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import flax.struct
@@ -264,6 +265,47 @@ def chunk_loop(step: Callable[[SpecState], SpecState], state: SpecState, blocks:
     return i + 1, step(s)
   return jax.lax.while_loop(lambda c: (c[0] < blocks) & ~jnp.all(c[1].done), body,
                             (jnp.int32(0), state))[1]
+
+
+# XLA:CPU's dots read 16-bit weights as float32, and while-loop invariant code motion hoists those
+# converts out of the decoding loop and the layer scan: a float32 copy of every scanned bfloat16
+# weight held for the whole call (three times the weights' bytes in all), read at twice their
+# bytes every step. Without the pass each layer converts what it reads when it runs; float32
+# weights have nothing to hoist. (Unrolled layers still hold their copies: XLA schedules each
+# convert early whatever this pass does.)
+CPU_LOOP_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+class LoopJit:
+  """A decoding loop's jax.jit: compiled with CPU_LOOP_OPTIONS where the default backend is the
+  CPU, as jax.jit elsewhere (accelerators keep XLA's defaults)."""
+
+  def __init__(self, fun: Callable, **jit_kwargs):
+    functools.update_wrapper(self, fun)
+    self._default = jax.jit(fun, **jit_kwargs)
+    self._cpu = jax.jit(fun, compiler_options=CPU_LOOP_OPTIONS, **jit_kwargs)
+
+  def _jitted(self):
+    return self._cpu if jax.default_backend() == "cpu" else self._default
+
+  def __call__(self, *args, **kwargs):
+    return self._jitted()(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    return self._jitted().lower(*args, **kwargs)
+
+  def _cache_size(self) -> int:
+    return self._default._cache_size() + self._cpu._cache_size()
+
+
+def loop_jit(**jit_kwargs) -> Callable[[Callable], LoopJit]:
+  """Decorator: LoopJit(fun, **jit_kwargs) (static_argnums, donate_argnums as jax.jit)."""
+  return lambda fun: LoopJit(fun, **jit_kwargs)
+
+
+def loop_compiler_options() -> dict | None:
+  """The compiler options of a loop jitted here by hand (decoding/sharded.py)."""
+  return CPU_LOOP_OPTIONS if jax.default_backend() == "cpu" else None
 
 
 # start() -> (the state after the prefill, advance(state, blocks) -> the state after that many

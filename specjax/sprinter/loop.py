@@ -45,7 +45,7 @@ from specjax import sampling
 from specjax.acceptance import base
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
-from specjax.decoding.state import (DRAFT, STAT_FIELDS, TARGET, Generation, SpecStats,
+from specjax.decoding.state import (DRAFT, STAT_FIELDS, TARGET, Generation, SpecStats, loop_jit,
                                     Reserve, auto_capacity, is_stop, new_tokens_bucket,
                                     nonfinite_rows, run_loop, stop_ids, write_rows)
 from specjax.models import Prompt, prompting
@@ -193,7 +193,7 @@ def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_
                max_len=int(max_len), limit=max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@loop_jit(static_argnums=0)
 def run(setup: Setup, params, prompt: Prompt, keys: jax.Array, knobs) -> SeqState:
   """The whole generation as one compiled call; returns the final state (caches included).
   params = (target_params, draft_params, verifier_params); knobs = (warp, limit, threshold),

@@ -6,6 +6,7 @@ compilation cache) and warm (the same cache again).
     python -m eval.startup --config t5_xl_small.py --config.target.checkpoint=DIR \\
         --config.draft.checkpoint=DIR --config.target.dtype=float32 --config.draft.dtype=float32
     python -m eval.startup --t5_benchmark /tmp/t5_depth      # issue 14's depth benchmark
+    python -m eval.startup --t5_memory /tmp/t5_memory        # a bfloat16 T5's memory
 
 Every case runs `eval.startup_probe` (what `specjax.decode` does for one prompt, timed phase by
 phase) --repeats times as a cold run followed by a warm one, each repeat with a new empty cache
@@ -19,15 +20,21 @@ The table holds medians over repeats.
 and one of 2 + 2, and times target-only decoding of 8 tokens with each, in the scanned layout
 (--config.target.layers=scan) and the default (auto: unrolled on CPU), and speculative decoding
 with the deep target and the shallow draft.
+
+--t5_memory DIR writes one random T5 of 185M params (T5_MEMORY: 4 + 4 layers, d_model 1024,
+vocabulary 32128, untied head) into DIR and runs it loaded as bfloat16, scanned and unrolled:
+the rows' anonymous-memory columns against the weights' MiB show what loading and decoding hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import pathlib
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +51,10 @@ COLUMNS = ("case", "cache", "whole_s", "cpu_s", "first_s", *(f"{p}_s" for p in P
 T5_WIDTH = dict(d_model=512, d_kv=64, d_ff=1024, num_heads=6, feed_forward_proj="gated-gelu",
                 tie_word_embeddings=False)
 T5_DEPTHS = {"deep": 24, "shallow": 2}
+# --t5_memory: 185M params (354 MiB in bfloat16), most of them in 8 layers and an untied head
+T5_MEMORY = dict(vocab_size=32128, d_model=1024, d_kv=64, num_heads=16, d_ff=2816,
+                 feed_forward_proj="gated-gelu", num_layers=4, num_decoder_layers=4,
+                 tie_word_embeddings=False)
 
 
 class ProbeError(ValueError):
@@ -167,31 +178,72 @@ def ratios(rows: list[dict], pairs: list[tuple[str, str]]) -> list[str]:
           for a, b in pairs for cache in ("cold", "warm") if (a, cache) in by and (b, cache) in by]
 
 
-def write_t5_pair(root: pathlib.Path) -> dict[str, pathlib.Path]:
-  """Random T5 checkpoints of T5_WIDTH at T5_DEPTHS (HF layout, spm.model beside), reused when
-  DIR already holds them."""
+def _written(writer, root: pathlib.Path):
+  """writer(root) run in a spawned process first, then here (finding its files): the writer's
+  peak memory stays out of the probes' peak RSS, which Linux carries across fork and exec."""
+  child = multiprocessing.get_context("spawn").Process(target=writer, args=(root,))
+  child.start()
+  child.join()
+  if child.exitcode:
+    raise ProbeError(f"writing the random checkpoints into {root} failed (exit {child.exitcode})")
+  return writer(root)
+
+
+def _spm(root: pathlib.Path) -> pathlib.Path:
+  """A 400-piece BPE of stdlib text at root/spm.model (the random T5s' tokenizer)."""
   import inspect
-  import shutil
   import string
   import textwrap
 
+  from specjax.data.tokenizer import train_sentencepiece
+  root.mkdir(parents=True, exist_ok=True)
+  if (root / "spm.model").exists():
+    return root / "spm.model"
+  source = inspect.getsource(string) + inspect.getsource(textwrap)
+  return train_sentencepiece(source[:12000].split("\n\n"), root / "spm.model", model_type="bpe",
+                             vocab_size=400, num_threads=1)
+
+
+def write_t5_pair(root: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Random T5 checkpoints of T5_WIDTH at T5_DEPTHS (HF layout, spm.model beside), reused when
+  DIR already holds them."""
   import jax
 
-  from specjax.data.tokenizer import train_sentencepiece
   from specjax.models import hf_import
   from specjax.models.t5 import T5, T5Config
-  root.mkdir(parents=True, exist_ok=True)
   dirs = {name: root / name for name in T5_DEPTHS}
   if all((d / "model.safetensors").exists() for d in dirs.values()):
     return dirs
-  source = inspect.getsource(string) + inspect.getsource(textwrap)
-  spm = train_sentencepiece(source[:12000].split("\n\n"), root / "spm.model", model_type="bpe",
-                            vocab_size=400, num_threads=1)
+  spm = _spm(root)
   for name, depth in T5_DEPTHS.items():
     model = T5(T5Config(vocab_size=400, num_layers=depth, num_decoder_layers=depth, **T5_WIDTH))
     hf_import.save_model(model, model.init_params(jax.random.PRNGKey(depth)), dirs[name])
     shutil.copy(spm, dirs[name] / "spm.model")
   return dirs
+
+
+def write_t5_memory(root: pathlib.Path) -> pathlib.Path:
+  """A random T5 of T5_MEMORY's shape (HF layout, float32 safetensors, spm.model beside), reused
+  when DIR already holds it."""
+  import jax
+
+  from specjax.models import hf_import
+  from specjax.models.t5 import T5, T5Config
+  path = root / "t5_memory"
+  if not (path / "model.safetensors").exists():
+    model = T5(T5Config(**T5_MEMORY))
+    hf_import.save_model(model, jax.jit(model.init_params)(jax.random.PRNGKey(0)), path)
+    shutil.copy(_spm(root), path / "spm.model")
+  return path
+
+
+def t5_memory_cases(path: pathlib.Path) -> list[Case]:
+  """Target-only runs of the T5_MEMORY model loaded as bfloat16, scanned and unrolled: the
+  loader's and the decoding loop's anonymous memory against the weights."""
+  common = ("--config.decode.max_new_tokens=4", "--config.target.dtype=bfloat16",
+            f"--config.target.checkpoint={path}", "--config.draft.checkpoint=")
+  return [Case(f"bf16 {layers}", (*common, f"--config.target.layers={layers}"))
+          for layers in ("scan", "auto")]
 
 
 def t5_cases(dirs: dict[str, pathlib.Path]) -> list[Case]:
@@ -216,6 +268,7 @@ def parse_args(argv):
   p.add_argument("--case", action="append", default=[],
                  help="NAME=OVERRIDES: a case with its own --config.* flags (repeatable)")
   p.add_argument("--t5_benchmark", help="DIR for the random T5 pair of the depth benchmark")
+  p.add_argument("--t5_memory", help="DIR for the random bfloat16-loaded T5 of the memory cases")
   p.add_argument("--repeats", type=int, default=1)
   p.add_argument("--output_json")
   p.add_argument("--output_md")
@@ -224,7 +277,9 @@ def parse_args(argv):
 
 def cases_from(args, overrides: list[str]) -> list[Case]:
   if args.t5_benchmark:
-    return t5_cases(write_t5_pair(pathlib.Path(args.t5_benchmark).absolute()))
+    return t5_cases(_written(write_t5_pair, pathlib.Path(args.t5_benchmark).absolute()))
+  if args.t5_memory:
+    return t5_memory_cases(_written(write_t5_memory, pathlib.Path(args.t5_memory).absolute()))
   cases = []
   for text in args.case:
     name, sep, flags_ = text.partition("=")
@@ -257,10 +312,12 @@ def main(argv=None) -> int:
     flags.check_counts(repeats=args.repeats)
     out_json = flags.output_file(args.output_json, "--output_json")
     out_md = flags.output_file(args.output_md, "--output_md")
-    if args.t5_benchmark:          # a file there was a FileExistsError traceback
-      outputs.check_workdir(args.t5_benchmark, "--t5_benchmark")
-    config = "t5_xl_small.py" if args.t5_benchmark else args.config
-    probe_cases = None if args.t5_benchmark else cases_from(args, overrides)
+    t5_dir = args.t5_benchmark or args.t5_memory
+    for flag in ("--t5_benchmark", "--t5_memory"):   # a file there was a FileExistsError traceback
+      if getattr(args, flag[2:]):
+        outputs.check_workdir(getattr(args, flag[2:]), flag)
+    config = "t5_xl_small.py" if t5_dir else args.config
+    probe_cases = None if t5_dir else cases_from(args, overrides)
     check_outputs(config, probe_cases or [Case("run", tuple(overrides))],
                   {"--output_json": out_json, "--output_md": out_md})
     cases = probe_cases or cases_from(args, overrides)

@@ -243,6 +243,8 @@ CASES = [
          "--problems {init} is a directory: give a JSON-lines problems file", ["{init}"]),
     case("startup-t5-benchmark-is-a-file", "eval.startup", ["--t5_benchmark", "{cfg}"], 2,
          "--t5_benchmark {cfg} is a file, not a directory: choose another path", ["{cfg}"]),
+    case("startup-t5-memory-is-a-file", "eval.startup", ["--t5_memory", "{cfg}"], 2,
+         "--t5_memory {cfg} is a file, not a directory: choose another path", ["{cfg}"]),
 ]
 
 

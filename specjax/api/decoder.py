@@ -95,11 +95,10 @@ class SpeculativeDecoder:
     max_new_tokens: generated tokens per prompt at most (rows end earlier at an end-of-sequence
     id of the target's tokenizer or at a stop string). temperature 0 is greedy; top_k 0 and
     top_p 1 are off. Each of the three is one value, or a list with one per prompt (rows may
-    mix greedy and sampling). max_new_tokens and top_k compile per
-    power-of-two bucket (20 and 30 share a program, as do top_k 3 and 4); temperature and top_p
-    never recompile. seed: prompt i
-    draws with fold_in(PRNGKey(seed), i). batch_size: prompts decoded together (None: up to
-    8). chat: wrap each text as one user turn in the target's chat template. stop: strings
+    mix greedy and sampling). max_new_tokens and top_k compile per power-of-two bucket (20 and
+    30 share a program, as do top_k 3 and 4); temperature and top_p never recompile. seed:
+    prompt i draws with fold_in(PRNGKey(seed), i). batch_size: prompts decoded together (None:
+    up to 8). chat: wrap each text as one user turn in the target's chat template. stop: strings
     that end a row (the text is cut before the first).
     stream(i, text): called with prompt i's new text as it is committed (methods with a loop of
     their own: once, when the row is done). truncate: "" refuses a prompt the cache cannot

@@ -98,11 +98,6 @@ class DecodeSettings:
   def warp(self) -> Warp:
     return Warp(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
-  @property
-  def per_row(self) -> bool:
-    """True when a warp value is a tuple with one entry per prompt."""
-    return any(isinstance(getattr(self, n), tuple) for n in WARP_VALUES)
-
   def row_warp(self, b: int) -> Warp:
     """The warp of row b alone: its own values as single numbers."""
     return Warp(**{n: v[b] if isinstance(v, tuple) else v

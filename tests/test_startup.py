@@ -129,3 +129,16 @@ def test_the_probe_samples_anonymous_memory():
   time.sleep(0.1)                        # a few samples while it is held
   block.close()
   assert anon.take() >= anon.now() + 50
+
+
+@pytest.mark.slow   # writes a 185M-param T5 (0.7 GB) and runs it four times (~30 s)
+def test_t5_memory_runs_the_bfloat16_t5_within_the_loaders_bound(tmp_path, capsys):
+  """`eval.startup --t5_memory DIR` (README, docs/results.md): both layouts decode, the weights
+  are the bfloat16 model's, and loading stays within weights + largest tensor + 512 MiB."""
+  out = tmp_path / "rows.json"
+  assert startup.main(["--t5_memory", str(tmp_path / "t5"), "--output_json", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert sorted({r["case"] for r in rows}) == ["bf16 auto", "bf16 scan"]
+  for r in rows:
+    assert 340 <= r["weights_mb"] <= 370, r                  # 185M params in 2 bytes
+    assert r["load_anon_mb"] <= r["weights_mb"] + r["largest_mb"] + 512, r

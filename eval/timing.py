@@ -9,6 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from specjax import drafting
 from specjax.decoding import speculative
 from specjax.models import kv_cache, prompting
 
@@ -67,7 +68,8 @@ def cost_probes(target, target_params, draft, draft_params, prompt, draft_prompt
   (a verify pass: w = gamma + 1), "d1" the draft over one token (none for a drafter without a
   model, draft None: its c is 0)."""
   def cap(model, p, is_draft=False):
-    return speculative.reserve(rule, gamma, is_draft).need(prompting.prefix_len(model, p), max_new)
+    drafter = drafting.as_drafter(model, rule) if is_draft else None
+    return speculative.reserve(gamma, drafter).need(prompting.prefix_len(model, p), max_new)
   t_cap = cap(target, prompt)
   probes = {f"t{w}": step_loop(target, target_params, prompt, w, t_cap, steps)
             for w in (1, *widths)}

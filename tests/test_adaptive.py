@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specjax import divergences as dv
-from specjax import sampling, testing
+from specjax import drafting, sampling, testing
 from specjax.acceptance import adaptive, registry
 from specjax.decoding import speculative
 from specjax.models import Prompt
@@ -112,13 +112,15 @@ def test_bad_hyperparameters_are_refused(kwargs, match):
 # ----------------------------------------------------------------------------- the window
 
 def _window(rule, q_steps, state):
-  """Simulate the loop's drafting: the number of drafts each row offers (q_steps [S, B, V])."""
+  """Simulate the loop's drafting under the rule's length policy (drafting/length.py): the
+  number of drafts each row offers (q_steps [S, B, V])."""
+  policy = drafting.length.for_rule(rule)
   active = jnp.ones(q_steps.shape[1], bool)
   length = jnp.zeros(q_steps.shape[1], jnp.int32)
   for step in range(q_steps.shape[0]):
-    keep = active & rule.keep_drafting(q_steps[step], jnp.int32(step), state)
+    keep = active & policy.keep(q_steps[step], jnp.int32(step), rule, state)
     length = length + keep
-    active = keep & ~rule.stop_after(q_steps[step], jnp.int32(step), state)
+    active = keep & ~policy.stop_after(q_steps[step], jnp.int32(step), rule, state)
   return np.asarray(length)
 
 

@@ -11,9 +11,11 @@ import dataclasses
 import json
 import logging
 import math
+import types
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from specjax import decode
@@ -248,7 +250,12 @@ def test_a_t5_encoder_is_bounded_by_max_len_and_keeps_its_eos():
 
 @dataclasses.dataclass(frozen=True)
 class _WideRule:
-  draft_image_width: int = 5
+  """A cross-vocabulary rule's declarations, with a vocabulary map whose images take up to 5
+  draft tokens per target token (the model drafter's per_token)."""
+  needs_same_vocab = False
+  draft_length = "fixed"
+  rule_name = "wide"
+  vocab = types.SimpleNamespace(images=np.zeros((1, 5), np.int32))
 
 
 def test_a_cross_tokenizer_draft_gets_the_largest_max_new_tokens_that_fits():

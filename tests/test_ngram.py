@@ -17,7 +17,7 @@ import pytest
 from specjax import testing
 from specjax.acceptance import registry
 from specjax.decoding import autoregressive, speculative
-from specjax.decoding.ngram import NGram
+from specjax.drafting import NGram
 from specjax.models import Prompt
 from specjax.sampling import Warp
 
@@ -28,7 +28,7 @@ def _propose(history, generated, gamma=3, drafter=NGram(3, 1)):
   tokens = np.zeros((len(generated), width), np.int32)
   for b, g in enumerate(generated):
     tokens[b, :len(g)] = g
-  drafts, count = drafter.propose(h.tokens, h.lengths, jnp.asarray(tokens),
+  drafts, count = drafter.lookup(h.tokens, h.lengths, jnp.asarray(tokens),
                                   jnp.asarray([len(g) for g in generated]), gamma)
   return [list(map(int, d[:c])) for d, c in zip(np.asarray(drafts), np.asarray(count))]
 
@@ -102,12 +102,12 @@ def test_a_broken_rule_fails_the_same_law_test():
     ("fuzzy", "KL\\(p\\|\\|q\\) is infinite"), ("fuzzy_random", "KL"), ("adaptive", "entropy"),
     ("intersection", "proposes the target's own ids"), ("union", "proposes the target's own ids")])
 def test_rules_that_need_a_draft_model_are_refused(name, phrase):
-  assert re.search(phrase, speculative.lookup_refusal(registry.rule_class(name)))
+  assert re.search(phrase, NGram().refusal(registry.rule_class(name)))
 
 
 @pytest.mark.parametrize("name", ["exact", "greedy", "lenient", "hf_greedy_draft"])
 def test_rules_that_read_the_drafted_token_alone_are_taken(name):
-  assert speculative.lookup_refusal(registry.rule_class(name)) == ""
+  assert NGram().refusal(registry.rule_class(name)) == ""
 
 
 def test_the_loop_refuses_fuzzy_with_the_reason():
@@ -122,7 +122,7 @@ _SHARDED = """
 import jax, numpy as np
 from specjax import sharding, testing
 from specjax.decoding import sharded, speculative
-from specjax.decoding.ngram import NGram
+from specjax.drafting import NGram
 from specjax.models import Prompt
 from specjax.sampling import Warp
 model, params = testing.tiny_decoder(seed=3, vocab_size=16)

@@ -72,7 +72,7 @@ def test_finite_check_covers_every_chunk(monkeypatch):
 # ---------------------------------------------------------------------------------- decoding
 
 def test_nonfinite_rows_flags_nan_and_plus_inf_not_minus_inf():
-  from specjax.decoding.state import nonfinite_rows
+  from specjax.sampling import nonfinite_rows
   logits = jnp.asarray([[0.0, -jnp.inf], [jnp.nan, 1.0], [jnp.inf, 0.0]])
   assert nonfinite_rows(logits).tolist() == [False, True, True]
   assert nonfinite_rows(logits[:, None, :]).tolist() == [False, True, True]   # [B, T, V]

@@ -72,24 +72,6 @@ def test_greedy_sd_equals_the_quantized_target_alone():
 V, MAX_NEW, PROMPT, N_RUNS = 4, 3, [1, 2, 1], 20_000
 
 
-def _law(model, params, warp) -> dict[tuple[int, ...], float]:
-  law, stack = {}, [((), 1.0)]
-  while stack:
-    seq, mass = stack.pop()
-    tokens = list(PROMPT) + list(seq)
-    cache = model.init_cache(1, 16)
-    logits, _, _ = model.prefill(params, Prompt.from_lists([tokens]), cache)
-    probs = np.exp(np.asarray(warp.log_probs(logits[0]), np.float64))
-    probs /= probs.sum()
-    for tok, pr in enumerate(probs):
-      new = seq + (tok,)
-      if len(new) == MAX_NEW:
-        law[new] = law.get(new, 0.0) + mass * pr
-      else:
-        stack.append((new, mass * pr))
-  return law
-
-
 def _pvalue(rule) -> float:
   target, tparams = _quantized(*testing.tiny_decoder(seed=5, vocab_size=V))
   draft, dparams = testing.tiny_decoder(seed=6, vocab_size=V)
@@ -98,7 +80,8 @@ def _pvalue(rule) -> float:
                       jax.random.PRNGKey(7), rule=rule, gamma=2, max_new_tokens=MAX_NEW,
                       warp=warp, eos_id=None)
   counts = testing.sequence_counts(gen.tokens, gen.lengths)
-  return testing.chi_square_pvalue(_law(target, tparams, warp), counts)
+  law = testing.enumerate_model_law(target, tparams, PROMPT, max_new_tokens=MAX_NEW, warp=warp)
+  return testing.chi_square_pvalue(law, counts)
 
 
 @pytest.mark.slow   # the law test and its broken twin: 30 s (greedy on int8 runs by default)

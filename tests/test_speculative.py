@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import sampling, testing
+from specjax import drafting, sampling, testing
 from specjax.acceptance import base, exact, registry
 from specjax.decoding import autoregressive, speculative
 from specjax.models import Prompt
@@ -101,7 +101,7 @@ def test_caches_follow_the_loop_invariant_and_stats_add_up():
     stream = row + [int(t) for t in state.tokens[b, :int(state.lengths[b])]]
     assert MODEL.stored_tokens(state.target_cache, b) == stream[:-1]          # minus pending
     assert list(np.asarray(state.last_two[b])) == stream[-2:]
-    assert MODEL.stored_tokens(state.draft_cache, b)[:len(stream) - 2] == stream[:-2]
+    assert MODEL.stored_tokens(state.drafter_state, b)[:len(stream) - 2] == stream[:-2]
   st = state.stats
   np.testing.assert_array_equal(st.emitted, state.lengths)
   np.testing.assert_array_equal(st.blocks, st.target_passes)
@@ -110,16 +110,19 @@ def test_caches_follow_the_loop_invariant_and_stats_add_up():
 
 
 @dataclasses.dataclass(frozen=True)
-class _StopWhenUnsure(exact.Exact):
-  """Exact rule whose drafting stops when q's top probability is below 0.6 (AdaSD-like)."""
+class _StopWhenUnsure(drafting.length.Fixed):
+  """A length policy (drafting/length.py) that stops drafting when q's top probability is
+  below 0.6 (AdaSD-like), with the exact rule."""
+  variable = True
 
-  def keep_drafting(self, q_logp, step, rule_state):
+  def keep(self, q_logp, step, rule, rule_state):
     return (jnp.max(q_logp, axis=-1) > jnp.log(0.6)) | (step == 0)
 
 
-def test_early_stopping_rule_keeps_the_target_law():
+def test_a_drafters_own_length_policy_keeps_the_target_law():
   n = 50000
-  gen = _spec(Prompt.from_lists([[1]] * n), jax.random.PRNGKey(9), rule=_StopWhenUnsure(),
+  drafter = drafting.ModelDrafter(draft_model=MODEL, length=_StopWhenUnsure())
+  gen = _spec(Prompt.from_lists([[1]] * n), jax.random.PRNGKey(9), draft=drafter, rule="exact",
               gamma=4, max_new_tokens=4)
   law = testing.enumerate_law(MODEL, TARGET, [1], max_new_tokens=4, warp=Warp(), eos_id=EOS)
   assert testing.chi_square_pvalue(law, testing.sequence_counts(gen.tokens, gen.lengths)) > 1e-3
@@ -239,11 +242,11 @@ def test_greedy_rule_is_greedy_target_decoding_under_a_sampling_warp(warp):
 
 # ----------------------------------------------------------------------------- verify widths
 
-def test_verify_pass_widths_follow_the_drafting_hooks():
+def test_verify_pass_widths_follow_the_drafters_count():
   model, params, drafts = _models("decoder")
   setup = lambda rule, gamma: speculative.Setup(
-      target=model, draft=model, rule=registry.get(rule), gamma=gamma, max_new=8,
-      warp=Warp(), eos=-1, max_len=32)
+      target=model, drafter=drafting.as_drafter(model, registry.get(rule)),
+      rule=registry.get(rule), gamma=gamma, max_new=8, warp=Warp(), eos=-1, max_len=32)
   assert speculative.verify_widths(setup("exact", 20)) == (21,)
   assert speculative.verify_widths(setup("adaptive", 20)) == (2, 4, 8, 16, 21)
   assert speculative.verify_widths(setup("adaptive", 3)) == (2, 4)

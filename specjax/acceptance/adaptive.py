@@ -13,11 +13,13 @@ acceptance test, both with thresholds learned online from the row's own history.
 The history lives in rule_state as running sums per row (reset per generate call, i.e. per
 prompt); only verified drafts are recorded: the accepted ones and the first rejected one.
 
-Window: the loop's gamma is the static maximum; keep_drafting stops a row after max_window (20)
-drafts, and the loop after max_new_tokens - generated - 1 (what a block can still commit besides
-its correction or bonus token). stop_after is asked after draft j is proposed from q_j: a draft
-whose entropy exceeds tau_g is offered, then drafting stops, as the paper (and HF stopping
-criteria) keep the stopping token; the first min_window drafts never stop the block.
+Window: the drafter's length policy, drafting/length.EntropyStop (this rule's `draft_length`),
+reads the window's fields and `thresholds(rule_state)` from here. The loop's gamma is the static
+maximum; the policy stops a row after max_window (20) drafts, and the drafter after
+max_new_tokens - generated - 1 (what a block can still commit besides its correction or bonus
+token). After draft j is proposed from q_j, a draft whose entropy exceeds tau_g is offered, then
+drafting stops, as the paper (and HF stopping criteria) keep the stopping token; the first
+min_window drafts never stop the block.
 
 Ablations: js_accept=False is Gen-Only (tau_v = 0: exact SD with the entropy window, lossless);
 entropy_stop=False with max_window=5 is Verify-Only. tau_v_rule picks the paper's appendix
@@ -78,7 +80,7 @@ class Adaptive(base.Rule):
   tau_v_init: float = 0.0        # before both accepted and rejected drafts exist
   tau_v_rule: str = "midpoint"
   record: str = "final"
-  variable_length: ClassVar[bool] = True   # the entropy stop ends a row's drafts
+  draft_length: ClassVar[str] = "entropy"   # drafting/length.EntropyStop reads thresholds()
   # The windows and initial thresholds are compared, never shapes: a sweep compiles once.
   traced: ClassVar[tuple[str, ...]] = ("max_window", "min_window", "tau_g_init", "tau_v_init")
 
@@ -109,18 +111,6 @@ class Adaptive(base.Rule):
       value, ready = _mean(s.sum_d_acc + s.sum_d_rej, s.n_acc + s.n_rej), both
     tau_v = jnp.where(ready, value, jnp.float32(self.tau_v_init))
     return tau_g.astype(jnp.float32), tau_v.astype(jnp.float32)
-
-  def keep_drafting(self, q_logp, step, rule_state):
-    del rule_state
-    return jnp.broadcast_to(step < self.max_window, q_logp.shape[:1])
-
-  def stop_after(self, q_logp, step, rule_state):
-    """The draft whose entropy exceeds tau_g is offered, then drafting stops (papers/adasd.md §7:
-    the stopping token is kept); never before min_window drafts."""
-    if not self.entropy_stop:
-      return jnp.zeros(q_logp.shape[:1], bool)
-    tau_g, _ = self.thresholds(rule_state)
-    return (step + 1 >= self.min_window) & (dv.entropy_log_probs(q_logp) > tau_g)
 
   def decide(self, sd_accept, dist, ent, draft_len, s: AdaState) -> tuple[jax.Array, AdaState]:
     """One verification from the per-draft evidence [B, K]: the speculative test's outcome, the JS

@@ -4,10 +4,9 @@ The speculative loop (specjax/decoding/speculative.py) calls, once after the tar
 
   rule.first_token(p_logits[B, V], warp, keys) -> token[B]   # the first generated token
 
-and per block:
+and per block (a model drafter calls the first two per drafting step, drafting/model.py):
 
-  q_logp = rule.q_log_probs(draft_logits, warp)       # [B, V] per drafting step
-  rule.keep_drafting(q_logp, step, rule_state) -> bool[B]   # False stops the row's drafting
+  q_logp = rule.q_log_probs(draft_logits, warp)       # [B, V] over the target's ids
   rule.propose(q_logp, keys) -> token[B]
   p_logp = rule.p_log_probs(target_logits, warp)      # [B, K+1, V]
   rule.verify(draft_tokens[B,K], draft_len[B], q_logp[B,K,V], p_logp[B,K+1,V], keys, rule_state)
@@ -16,14 +15,19 @@ and per block:
 `keys` are per-row PRNG keys [B] (already specific to the row and the block). Rules are static
 arguments of jit: every field must be hashable.
 
-The contract is declarative: the loop asks the rule, it never inspects it.
+A rule decides acceptance only; what proposes, how many tokens and how committed tokens are fed
+back to a draft with another vocabulary belong to the drafter (drafting/). The contract is
+declarative: the loop asks the rule, it never inspects it.
   first_token       how the first token is drawn from the target's prefill logits: by default a
                     sample of the run's warp (as autoregressive decoding); greedy takes argmax.
-  variable_length   True when keep_drafting / stop_after can end a row's drafts early (AdaSD);
-                    False: every row drafts gamma tokens (the loop unrolls the draft steps).
-  to_target_ids     draft proposals -> the target ids fed to the verify pass (a rule whose
-                    proposals can fall outside the target vocabulary maps them here).
-  to_draft_ids / draft_images   committed target ids -> what is fed back to the draft.
+  needs_same_vocab  False for a rule that maps a draft's own vocabulary into the target's
+                    (q_log_probs); such a rule carries its VocabMap as `vocab`, which the model
+                    drafter also uses to feed committed tokens back.
+  draft_length      the draft-length policy the rule was written with (drafting/length.py):
+                    "fixed" (gamma drafts per row) or "entropy" (AdaSD's stop, reading
+                    rule_state's thresholds).
+  needs_draft_law   why the rule cannot verify a one-hot q (prompt lookup), "" when it can.
+  traced            the fields the compiled loop takes as values.
   select_rows       which rule_state survives a block for rows that are done; by default every
                     leaf of rule_state is per-row with a leading [B] axis (checked).
 """
@@ -44,8 +48,7 @@ from specjax import sampling
 class Rule:
   """Base acceptance rule: sampled drafts from warped q, fixed-length drafting."""
   needs_same_vocab: ClassVar[bool] = True   # draft and target must share token ids
-  draft_image_width: ClassVar[int] = 1      # most draft tokens one target token can need
-  variable_length: ClassVar[bool] = False   # drafts can stop early (keep_drafting / stop_after)
+  draft_length: ClassVar[str] = "fixed"     # the draft-length policy (drafting/length.py)
   rule_name: ClassVar[str] = ""             # set by registry.register
   # Fields whose values the compiled loop takes as arguments (leaves of the rule's pytree), so that
   # another value reuses the program; every other field is static (part of the jit cache key).
@@ -70,18 +73,6 @@ class Rule:
     """Target logits [..., V] -> f32 log-probs p given to verify (and used for residuals/bonus)."""
     return warp.log_probs(p_logits)
 
-  def to_target_ids(self, draft_tokens: jax.Array) -> jax.Array:
-    """Proposals [B, K] -> target ids fed to the verify pass (identity: proposals are target ids)."""
-    return draft_tokens
-
-  def to_draft_ids(self, tokens: jax.Array) -> jax.Array:
-    """Target token ids -> the draft's ids for feeding the draft (identity for a shared vocab)."""
-    return tokens
-
-  def draft_images(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Target ids [...] -> (draft encodings [..., W], their lengths [...]); W = 1 by default."""
-    return self.to_draft_ids(tokens)[..., None], jnp.ones_like(tokens)
-
   def first_token(self, p_logits: jax.Array, warp: sampling.Warp, keys: jax.Array) -> jax.Array:
     """Target prefill logits [B, V], keys [B] -> the first generated token [B] (int32).
 
@@ -92,17 +83,6 @@ class Rule:
   def propose(self, q_logp: jax.Array, keys: jax.Array) -> jax.Array:
     """q_logp [B, V], keys [B] -> draft token [B]: a sample of warped q."""
     return sampling.categorical(q_logp, keys)
-
-  def keep_drafting(self, q_logp: jax.Array, step: jax.Array, rule_state: Any) -> jax.Array:
-    """Called before proposing draft `step` from q_logp [B, V]; False ends the row's block."""
-    del step, rule_state
-    return jnp.ones(q_logp.shape[:1], bool)
-
-  def stop_after(self, q_logp: jax.Array, step: jax.Array, rule_state: Any) -> jax.Array:
-    """Called after proposing draft `step` from q_logp [B, V]; True offers that draft, then ends
-    the row's block (AdaSD keeps its stopping token)."""
-    del step, rule_state
-    return jnp.zeros(q_logp.shape[:1], bool)
 
   def select_rows(self, live: jax.Array, new: Any, old: Any) -> Any:
     """rule_state after a block: `new` for live rows [B], `old` for rows that are done.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from specjax.acceptance import base
 
 _RULES: dict[str, type] = {}
 
@@ -30,20 +29,10 @@ def register(name: str):
     if name in _RULES and _RULES[name] is not cls:
       raise ValueError(f"acceptance rule {name!r} is registered twice "
                        f"({_RULES[name].__module__} and {cls.__module__})")
-    _check_contract(name, cls)
     _RULES[name] = cls
     cls.rule_name = name
     return cls
   return wrap
-
-
-def _check_contract(name: str, cls) -> None:
-  """A rule that overrides a drafting hook must say so: the loop reads `variable_length` only."""
-  stops_early = (cls.keep_drafting is not base.Rule.keep_drafting
-                 or cls.stop_after is not base.Rule.stop_after)
-  if stops_early and not cls.variable_length:
-    raise TypeError(f"acceptance rule {name!r} overrides keep_drafting / stop_after but declares "
-                    f"variable_length = False: set variable_length = True")
 
 
 def _load_builtins() -> None:

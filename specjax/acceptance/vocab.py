@@ -3,9 +3,10 @@
 
 The draft runs in its own vocabulary. `q_log_probs` maps its logits into target ids with a
 scatter-add (two draft strings that normalise to one target string both count), drafts are target
-ids, and the loop feeds committed target tokens back to the draft through `draft_images`: the
-token's single draft id (t2d) or, when it has none, its draft encoding from a fixed-width padded
-table [V_T, W]. Verification is the standard one on (p, q mapped), so the output law is the target's.
+ids, and the model drafter (drafting/model.py) feeds committed target tokens back to the draft
+through the same map: the token's single draft id (t2d) or, when it has none, its draft encoding
+from a fixed-width padded table [V_T, W]. Verification is the standard one on (p, q mapped), so
+the output law is the target's.
 
 Hashability (rules are static jit arguments): the id arrays live in a `VocabMap`, a dataclass with
 eq=False, so it hashes and compares by identity. Reuse one VocabMap object for repeated calls (the
@@ -202,7 +203,8 @@ def _pad_check(q_logp: jax.Array, p_logp: jax.Array, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _CrossVocab(base.Rule):
-  """Shared machinery: target-id drafts, draft feeding through t2d / the image table."""
+  """Shared machinery: q over target ids from a draft's own vocabulary (the VocabMap, which the
+  model drafter also uses to feed committed tokens back, drafting/model.py)."""
   vocab: VocabMap = None
   min_overlap: float = DEFAULT_MIN_OVERLAP
   needs_same_vocab: ClassVar[bool] = False
@@ -215,22 +217,6 @@ class _CrossVocab(base.Rule):
       raise ValueError(f"rule {self.rule_name!r} needs vocab=VocabMap (build it with "
                        f"specjax.acceptance.vocab.build(target_tokenizer, draft_tokenizer))")
     self.vocab.check(self.min_overlap, self.rule_name)
-
-  @property
-  def draft_image_width(self) -> int:
-    return int(self.vocab.images.shape[1])
-
-  def to_draft_ids(self, tokens):
-    """Target ids (drafts are in the overlap) -> draft ids; anything else -> its first image id."""
-    t2d = jnp.asarray(self.vocab.t2d)
-    first = jnp.asarray(self.vocab.images[:, 0])
-    safe = jnp.clip(tokens, 0, t2d.shape[0] - 1)
-    return jnp.where(t2d[safe] >= 0, t2d[safe], first[safe])
-
-  def draft_images(self, tokens):
-    """tokens [B] target ids -> (draft ids [B, W] zero-padded, lengths [B])."""
-    safe = jnp.clip(tokens, 0, self.vocab.images.shape[0] - 1)
-    return jnp.asarray(self.vocab.images)[safe], jnp.asarray(self.vocab.image_len)[safe]
 
   def _scatter(self, q_draft: jax.Array, rows: np.ndarray) -> jax.Array:
     """Draft probabilities [..., K] over draft ids `rows` -> log q over target ids [..., V_T]."""
@@ -280,11 +266,6 @@ class Union(_CrossVocab):
     q = jnp.exp(warp.log_probs(q_logits))                                 # [..., V_D]
     rows = self.vocab.inter_d
     return self._scatter(q[..., jnp.asarray(rows)], rows)
-
-  def to_target_ids(self, draft_tokens):
-    """The sentinel (a draft-only token, id = the target's width) is fed to the target as the
-    last id; it is always rejected, so what the target computes at that position is never used."""
-    return jnp.minimum(draft_tokens, self.vocab.t2d.shape[0] - 1)
 
   def propose(self, q_logp, keys):
     outside = jnp.log(jnp.maximum(1.0 - jnp.sum(jnp.exp(q_logp), -1, keepdims=True), 0.0))

@@ -13,7 +13,7 @@ from specjax.api.drafters import early_exit, sub_vocab
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel, load
 from specjax.api.results import Result
-from specjax.decoding.ngram import NGram
+from specjax.drafting import NGram
 
 __all__ = ["LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError", "early_exit",
            "generate", "load", "sub_vocab"]

@@ -35,8 +35,8 @@ from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Specula
                                  StringLevel, check_same_vocabulary, check_sprinter,
                                  formatted_text, placed)
 from specjax.api.results import Result, aggregate, stats_rows
-from specjax.decoding import speculative
-from specjax.decoding.ngram import NGram
+from specjax import drafting
+from specjax.drafting import NGram
 from specjax.sprinter import verifier as sprinter_verifier
 
 STRING_LEVEL = ("slem", "slrs")
@@ -242,8 +242,8 @@ def _lookup(target, drafter: NGram, rule, args: dict, settings, mesh) -> Specula
   """Prompt lookup verified by a same-vocabulary rule that reads no draft distribution."""
   if rule in METHOD_RULES:
     raise UsageError(f"rule={rule!r} is a method with a draft model of its own; prompt lookup "
-                     f"drafts for {speculative.LOOKUP_RULES}")
-  refusal = speculative.lookup_refusal(rules.rule_class(rule) if isinstance(rule, str) else rule)
+                     f"drafts for {drafting.ONE_HOT_RULES}")
+  refusal = drafter.refusal(rules.rule_class(rule) if isinstance(rule, str) else rule)
   if refusal:
     raise UsageError(refusal)
   # The drafter proposes the target's own ids: the target stands for the draft's vocabulary.

@@ -1,7 +1,7 @@
 """Drafters made from loaded models: early exit, the target's first layers with its final norm and
 head (LayerSkip's self-speculation; transformers' `assistant_early_exit`), and a draft whose head
 scores only its K most frequent tokens (FR-Spec). Prompt lookup, the drafter without a model, is
-decoding/ngram.NGram."""
+drafting/ngram.NGram."""
 
 from __future__ import annotations
 

@@ -24,8 +24,9 @@ from specjax.api import prompt_fit, streaming
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.data import tokenizer as tokenizer_lib
+from specjax import drafting
 from specjax.decoding import autoregressive, sharded, speculative, string_level
-from specjax.decoding.ngram import NGram
+from specjax.drafting import NGram
 from specjax.decoding.state import Generation, Reserve, position_limit
 from specjax.models import prompting
 from specjax.models.prompting import Prompt
@@ -305,7 +306,7 @@ def _no_streaming(method: Method, on_chunk) -> None:
 @dataclasses.dataclass(frozen=True)
 class Speculative(Method):
   """Draft-then-verify blocks in one jitted loop, with any registered acceptance rule. The draft
-  is a model, or prompt lookup (NGram: no model; the rules of speculative.lookup_refusal)."""
+  is a model, or prompt lookup (NGram: no model; the rules of NGram.refusal)."""
   draft: LoadedModel | NGram = None
   rule: object = None
   name: ClassVar[str] = "speculative"
@@ -319,7 +320,8 @@ class Speculative(Method):
   def reserve(self, loaded: LoadedModel) -> Reserve:
     if loaded.model.is_encoder_decoder:
       return _NONE
-    return speculative.reserve(self.rule, self.settings.gamma, draft=loaded is self.draft)
+    drafter = drafting.as_drafter(loaded.model, self.rule) if loaded is self.draft else None
+    return speculative.reserve(self.settings.gamma, drafter)
 
   def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
     s = self.settings

@@ -28,8 +28,7 @@ from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Prompts
                                  formatted_text, names)
 from specjax.app import builders, resolve
 from specjax.app.config import ConfigError
-from specjax.decoding import speculative as speculative_loop
-from specjax.decoding.ngram import NGram
+from specjax.drafting import NGram
 from specjax.sprinter import verifier as sprinter_verifier
 
 
@@ -170,7 +169,7 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
     if drafter_settings(config, draft_role).vocab_top_k:
       raise ConfigError(f"--config.{draft_role}.vocab_top_k: prompt lookup has no draft head to "
                         f"cut; drop it or draft with a model (--config.{draft_role}.method)")
-    refusal = speculative_loop.lookup_refusal(cls)
+    refusal = lookup.refusal(cls)
     if refusal:
       raise ConfigError(f"{refusal} (--config.rule.name; --config.{draft_role}.method=ngram)")
     return Speculative(target=load_placed(config, "target", mesh, target=True),

@@ -23,7 +23,7 @@ from specjax import sampling
 from specjax.decoding import sharded
 from specjax.decoding.state import (TARGET, Generation, OnChunk, Reserve, SpecState, SpecStats,
                                     auto_capacity, chunk_loop, is_stop, loop_jit,
-                                    new_tokens_bucket, nonfinite_rows, run_loop, stop_ids,
+                                    new_tokens_bucket, run_loop, stop_ids,
                                     write_rows)
 from specjax.models import Prompt
 from specjax.models import kv_cache, prompting
@@ -40,14 +40,6 @@ def check_batch(max_new_tokens: int, prompt: Prompt, warp: sampling.Warp) -> Non
   if warp.rows not in (None, prompt.tokens.shape[0]):
     raise ValueError(f"the warp has per-row values for {warp.rows} rows and the prompt batch "
                      f"{prompt.tokens.shape[0]}: give one value, or one per row")
-
-
-def stream_anchor(model, prompt: Prompt) -> jax.Array:
-  """[B] the last token of each row's prompt stream (decoder-only: last prompt token; T5: start)."""
-  if model.is_encoder_decoder:
-    return jnp.full(prompt.lengths.shape, model.decoder_start_id, jnp.int32)
-  last = (prompt.lengths - 1)[:, None]
-  return jnp.take_along_axis(prompt.tokens, last, axis=1)[:, 0].astype(jnp.int32)
 
 
 # One position per new token (a done row still extends by one: its write is dropped).
@@ -136,10 +128,10 @@ def _init(setup: Setup, params, prompt, keys) -> SpecState:
   return SpecState(
       tokens=jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(first),
       lengths=ones, done=is_stop(first, setup.eos) | (setup.limit <= 1),
-      last_two=jnp.stack([stream_anchor(model, prompt), first], axis=1),
-      target_cache=cache, draft_cache=None, rule_state=(), key=keys,
+      last_two=jnp.stack([prompting.stream_anchor(model, prompt), first], axis=1),
+      target_cache=cache, drafter_state=None, rule_state=(), key=keys,
       stats=SpecStats.zeros(batch).add(blocks=ones, emitted=ones, target_passes=ones)
-      .flag(TARGET, nonfinite_rows(logits)))
+      .flag(TARGET, sampling.nonfinite_rows(logits)))
 
 
 def _step(setup: Setup, params, s: SpecState) -> SpecState:
@@ -156,7 +148,7 @@ def _step(setup: Setup, params, s: SpecState) -> SpecState:
       tokens=write_rows(s.tokens, write_at, token), lengths=lengths, done=done,
       last_two=jnp.where(live[:, None], shifted, s.last_two), target_cache=cache,
       stats=s.stats.add(blocks=live, emitted=live, target_passes=live)
-      .flag(TARGET, live & nonfinite_rows(logits)))
+      .flag(TARGET, live & sampling.nonfinite_rows(logits)))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -33,7 +33,7 @@ import numpy as np
 
 from specjax import sampling
 from specjax.decoding.state import (DRAFT, TARGET, Reserve, SpecStats, check_finite,
-                                    new_tokens_bucket, nonfinite_rows, stop_ids)
+                                    new_tokens_bucket, stop_ids)
 from specjax.models import kv_cache, prompting
 
 MAX_CANDIDATES = 31          # a verify pass covers at most this many candidates (bucket 32)
@@ -140,7 +140,7 @@ def _feed(model, params, cache, feed, start, count):
   cache = kv_cache.rollback(cache, jnp.reshape(start, (1,)))
   logits, _, cache = model.extend(params, feed, cache)
   return (logits[0], kv_cache.rollback(cache, jnp.reshape(start + count, (1,))),
-          nonfinite_rows(logits)[0])
+          sampling.nonfinite_rows(logits)[0])
 
 
 @jax.jit
@@ -162,7 +162,7 @@ def _draft_steps(model, warp, k, params, cache, last_logits, key):
   def body(j, carry):
     tokens, cache, bad = carry
     logits, _, cache = model.extend(params, tokens[j - 1].reshape(1, 1), cache)
-    bad = bad | nonfinite_rows(logits)[0]
+    bad = bad | sampling.nonfinite_rows(logits)[0]
     return tokens.at[j].set(warp.sample(logits[:, 0], keys[j][None])[0]), cache, bad
 
   return jax.lax.fori_loop(1, k, body, (tokens, cache, jnp.bool_(False)))
@@ -176,7 +176,7 @@ def _tree_logprobs(model, warp, params, cache, feed, count):
   cache = jax.tree_util.tree_map(tile, cache)
   logits, _, _ = model.extend(params, feed, cache)
   last = jnp.take_along_axis(logits, (count - 1)[:, None, None], axis=1)[:, 0]
-  return warp.log_probs(last), jnp.any(nonfinite_rows(last))
+  return warp.log_probs(last), jnp.any(sampling.nonfinite_rows(last))
 
 
 @dataclasses.dataclass

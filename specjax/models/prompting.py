@@ -114,3 +114,11 @@ def prefix_len(model, prompt: Prompt) -> int:
 def enc_len(model, prompt: Prompt) -> int:
   """Encoder positions of the cache: the padded prompt for encoder-decoders, else 0."""
   return int(prompt.tokens.shape[1]) if model.is_encoder_decoder else 0
+
+
+def stream_anchor(model, prompt: Prompt) -> jax.Array:
+  """[B] the last token of each row's prompt stream (decoder-only: last prompt token; T5: start)."""
+  if model.is_encoder_decoder:
+    return jnp.full(prompt.lengths.shape, model.decoder_start_id, jnp.int32)
+  last = (prompt.lengths - 1)[:, None]
+  return jnp.take_along_axis(prompt.tokens, last, axis=1)[:, 0].astype(jnp.int32)

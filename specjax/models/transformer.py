@@ -126,7 +126,7 @@ def _init(std: float):
   return nn.initializers.normal(stddev=std)
 
 
-def _dense(a: Arch, features: int, use_bias: bool, name: str, std: float | None = None):
+def dense(a: Arch, features: int, use_bias: bool, name: str, std: float | None = None):
   return quant.dense(features, quant=a.quant, dtype=jnp.dtype(a.dtype), precision=a.precision,
                      use_bias=use_bias, kernel_init=_init(a.init_std if std is None else std),
                      name=name, layout=a.layout)
@@ -150,14 +150,14 @@ class _RMSNorm(nn.Module):
     return scale * normed.astype(x.dtype)
 
 
-def _norm(a: Arch, name: str) -> nn.Module:
+def norm(a: Arch, name: str) -> nn.Module:
   if a.norm == "rms":
     return _RMSNorm(a.norm_eps, a.dtype, name=name)
   dt = jnp.dtype(a.dtype)
   return nn.LayerNorm(epsilon=a.norm_eps, dtype=dt, param_dtype=dt, name=name)
 
 
-class _Table(nn.Module):
+class Table(nn.Module):
   """One named weight matrix (embedding tables, untied LM head), read as a raw array."""
   leaf: str
   shape: tuple[int, int]
@@ -169,7 +169,8 @@ class _Table(nn.Module):
     return self.param(self.leaf, _init(self.std), self.shape, jnp.dtype(self.dtype))
 
 
-def _rotary(inv_freq: np.ndarray, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def rotary_angles(inv_freq: np.ndarray, positions: jax.Array,
+                  dtype) -> tuple[jax.Array, jax.Array]:
   """positions [B,T] -> (cos, sin) [B,T,1,Dh/2] in the activation dtype (as transformers)."""
   angles = positions.astype(jnp.float32)[..., None] * inv_freq                # [B, T, Dh/2]
   return (jnp.cos(angles)[:, :, None].astype(dtype), jnp.sin(angles)[:, :, None].astype(dtype))
@@ -181,7 +182,7 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _masks(a: Arch, positions: jax.Array, lengths: jax.Array, capacity: int):
+def masks(a: Arch, positions: jax.Array, lengths: jax.Array, capacity: int):
   """Which keys each query sees: (cache [B,T|1,S], block's own [1,T,T]). Causal; with a sliding
   window W also only keys at most W-1 positions back (HF's sliding-window mask)."""
   num_new = positions.shape[1]
@@ -206,11 +207,11 @@ class _Attention(nn.Module):
     a = self.arch
     batch, num_new, _ = x.shape
     heads, kv_heads, head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-    q = _dense(a, heads * head_dim, a.qkv_bias, "query")(x)
+    q = dense(a, heads * head_dim, a.qkv_bias, "query")(x)
     q = q.reshape(batch, num_new, heads, head_dim)                             # [B, T, H, Dh]
-    k = _dense(a, kv_heads * head_dim, a.qkv_bias, "key")(x)
+    k = dense(a, kv_heads * head_dim, a.qkv_bias, "key")(x)
     k = k.reshape(batch, num_new, kv_heads, head_dim)                          # [B, T, Hkv, Dh]
-    v = _dense(a, kv_heads * head_dim, a.qkv_bias, "value")(x)
+    v = dense(a, kv_heads * head_dim, a.qkv_bias, "value")(x)
     v = v.reshape(batch, num_new, kv_heads, head_dim)
     if a.qk_norm:
       q = _RMSNorm(a.norm_eps, a.dtype, name="q_norm")(q)
@@ -222,7 +223,7 @@ class _Attention(nn.Module):
                 (attention.heads_first(k), attention.heads_first(v), new_mask, None)]
     ctx = attention.attend(q, segments, scale=1.0 / math.sqrt(head_dim),
                            precision=a.precision)                              # [B, T, H*Dh]
-    return _dense(a, a.d_model, a.out_bias, "out", _out_std(a))(ctx), k, v
+    return dense(a, a.d_model, a.out_bias, "out", _out_std(a))(ctx), k, v
 
 
 class _Mlp(nn.Module):
@@ -232,15 +233,15 @@ class _Mlp(nn.Module):
   def __call__(self, x):
     a = self.arch
     if a.mlp == SWIGLU:
-      gate = _dense(a, a.d_ff, a.mlp_bias, "wi_0")(x)                       # [B, T, F]
-      up = _dense(a, a.d_ff, a.mlp_bias, "wi_1")(x)
+      gate = dense(a, a.d_ff, a.mlp_bias, "wi_0")(x)                       # [B, T, F]
+      up = dense(a, a.d_ff, a.mlp_bias, "wi_1")(x)
       h = jax.nn.silu(gate) * up
     else:
-      h = ACTIVATIONS[a.mlp](_dense(a, a.d_ff, a.mlp_bias, "wi")(x))         # [B, T, F]
-    return _dense(a, a.d_model, a.mlp_bias, "wo", _out_std(a))(h)
+      h = ACTIVATIONS[a.mlp](dense(a, a.d_ff, a.mlp_bias, "wi")(x))         # [B, T, F]
+    return dense(a, a.d_model, a.mlp_bias, "wo", _out_std(a))(h)
 
 
-class _Layer(nn.Module):
+class Layer(nn.Module):
   """One block; `nn.scan` runs it over the stacked params and this layer's slice of the cache (or
   the unstacked layout calls each layers_i in turn, layers.run)."""
   arch: Arch
@@ -252,15 +253,15 @@ class _Layer(nn.Module):
     a = self.arch
     rotary, masks = context
     before_attention, before_mlp, _ = a.norm_names
-    attn, k, v = _Attention(a, name="attention")(_norm(a, before_attention)(x), *layer_cache,
+    attn, k, v = _Attention(a, name="attention")(norm(a, before_attention)(x), *layer_cache,
                                                  rotary, masks)
     x = x + attn
-    x = x + _Mlp(a, name="mlp")(_norm(a, before_mlp)(x))
+    x = x + _Mlp(a, name="mlp")(norm(a, before_mlp)(x))
     return x, (k, v)
 
 
 _IN_AXES = (0, nn.broadcast)      # (this layer's cache slice, the context shared by every layer)
-_Layers = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+_Layers = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
                   in_axes=_IN_AXES)
 
 
@@ -278,41 +279,41 @@ class Transformer(nn.Module):
   def __call__(self, tokens, k, v, lengths, select=None):
     a = self.arch
     dt = jnp.dtype(a.dtype)
-    embed = _Table("embedding", (a.vocab_size, a.d_model), a.init_std, a.dtype,
+    embed = Table("embedding", (a.vocab_size, a.d_model), a.init_std, a.dtype,
                    name="token_embed")()                                       # [V, D]
     positions = kvc.positions(lengths, tokens.shape[1])                        # [B, T]
     x = jnp.take(embed, tokens, axis=0, mode="clip")
     rotary = None
     if a.rope is None:
-      table = _Table("position_embedding", (a.n_positions, a.d_model), a.pos_init_std, a.dtype,
+      table = Table("position_embedding", (a.n_positions, a.d_model), a.pos_init_std, a.dtype,
                      name="pos_embed")()                                       # [N, D]
       x = x + jnp.take(table, positions, axis=0, mode="clip")
     else:
-      rotary = _rotary(a.rope.inv_freq(a.head_dim), positions, dt)
+      rotary = rotary_angles(a.rope.inv_freq(a.head_dim), positions, dt)
     x = x.astype(dt)                                                           # [B, T, D]
-    context = (rotary, _masks(a, positions, lengths, k.shape[3]))
+    context = (rotary, masks(a, positions, lengths, k.shape[3]))
     if a.scan_layers:
       blocks = _Layers(a, name=layers.STACKED)
     else:
-      blocks = [_Layer(a, name=layers.layer_name(i)) for i in range(a.num_layers)]
+      blocks = [Layer(a, name=layers.layer_name(i)) for i in range(a.num_layers)]
     x, (new_k, new_v) = layers.run(blocks, _IN_AXES, x, (k, v), context)     # k, v [L,B,T,Hkv,Dh]
-    hidden = _norm(a, a.norm_names[2])(x)                                      # [B, T, D]
+    hidden = norm(a, a.norm_names[2])(x)                                      # [B, T, D]
     if select is not None:
       hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
-    return hidden, _logits(a, hidden, embed), new_k, new_v
+    return hidden, logits(a, hidden, embed), new_k, new_v
 
 
-def _logits(a: Arch, hidden: jax.Array, embed: jax.Array) -> jax.Array:
+def logits(a: Arch, hidden: jax.Array, embed: jax.Array) -> jax.Array:
   """hidden [..., D] -> f32 logits [..., V]: int8, a sub-vocabulary head, tied or untied."""
   if a.quant == "int8":
     return quant.int8_logits(hidden, a.vocab_size, a.head_subset)
   if a.head_subset is not None:
-    head = _Table("kernel", (a.d_model, a.head_subset.size), a.init_std, a.dtype,
+    head = Table("kernel", (a.d_model, a.head_subset.size), a.init_std, a.dtype,
                   name="lm_head")()                                            # [D, K]
     return a.head_subset.logits(hidden, head, a.precision)
   if a.tie_word_embeddings:
     return jnp.einsum("...d,vd->...v", hidden, embed, precision=a.precision,
                       preferred_element_type=jnp.float32)
-  head = _Table("kernel", (a.d_model, a.vocab_size), a.init_std, a.dtype, name="lm_head")()
+  head = Table("kernel", (a.d_model, a.vocab_size), a.init_std, a.dtype, name="lm_head")()
   return jnp.einsum("...d,dv->...v", hidden, head, precision=a.precision,   # [D, V]
                     preferred_element_type=jnp.float32)

@@ -47,7 +47,7 @@ from specjax.decoding import autoregressive as ar
 from specjax.decoding import sharded
 from specjax.decoding.state import (DRAFT, STAT_FIELDS, TARGET, Generation, SpecStats, loop_jit,
                                     Reserve, auto_capacity, is_stop, new_tokens_bucket,
-                                    nonfinite_rows, run_loop, stop_ids, write_rows)
+                                    run_loop, stop_ids, write_rows)
 from specjax.models import Prompt, prompting
 from specjax.models import kv_cache
 
@@ -233,7 +233,7 @@ def init(setup: Setup, params, prompt: Prompt, keys: jax.Array) -> tuple[SeqStat
   tcache = sharded.init_cache(target, batch, setup.max_len, prompting.enc_len(target, prompt),
                               setup.mesh)
   t_logits, _, tcache = target.prefill(tparams, prompt, tcache)
-  anchors = Anchors(target_base=tcache.lengths, target_anchor=ar.stream_anchor(target, prompt))
+  anchors = Anchors(target_base=tcache.lengths, target_anchor=prompting.stream_anchor(target, prompt))
   dcache = sharded.init_cache(draft, batch, setup.max_len, prompting.enc_len(draft, prompt),
                               setup.mesh)
   q_logits, hidden, dcache = draft.prefill(dparams, prompt, dcache)       # [B, V], [B, D]
@@ -244,7 +244,7 @@ def init(setup: Setup, params, prompt: Prompt, keys: jax.Array) -> tuple[SeqStat
       q_logp=setup.warp.log_probs(q_logits), hidden=hidden.astype(jnp.float32),
       target_cache=kv_cache.rollback(tcache, tcache.lengths - 1), draft_cache=dcache, key=keys,
       stats=SprinterStats.zeros(batch).add(target_passes=ones, draft_passes=ones)
-      .flag(TARGET, nonfinite_rows(t_logits)).flag(DRAFT, nonfinite_rows(q_logits)))
+      .flag(TARGET, sampling.nonfinite_rows(t_logits)).flag(DRAFT, sampling.nonfinite_rows(q_logits)))
   return state, anchors
 
 
@@ -298,7 +298,7 @@ def _target_chunk(setup: Setup, tparams, anchors: Anchors, s: SeqState, need):
   p_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
   cache = kv_cache.rollback(cache, jnp.where(need, base + g, T))
   return (setup.warp.log_probs(p_logits), cache, pending.astype(jnp.int32),
-          nonfinite_rows(p_logits))
+          sampling.nonfinite_rows(p_logits))
 
 
 def _skip_target(s: SeqState, need):
@@ -339,7 +339,7 @@ def _draft_update(setup: Setup, dparams, s: SeqState, live, y, fed, replaced):
   cache = kv_cache.rollback(cache, jnp.where(live, cache.lengths, s.draft_cache.lengths))
   q_logp = jnp.where(live[:, None], setup.warp.log_probs(logits[:, 0]), s.q_logp)
   hidden = jnp.where(live[:, None], hidden[:, 0].astype(jnp.float32), s.hidden)
-  return q_logp, hidden, cache, refed, nonfinite_rows(logits)
+  return q_logp, hidden, cache, refed, sampling.nonfinite_rows(logits)
 
 
 def _commit(setup: Setup, s: SeqState, live, y, need) -> SeqState:

@@ -19,16 +19,24 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from specjax.drafting.base import Block, Drafter, Proposal
+
 MISSING = -1     # a stream position past the row's end: matches no token
 
 
 @dataclasses.dataclass(frozen=True)
-class NGram:
+class NGram(Drafter):
   """The prompt-lookup drafter. ngram_max >= ngram_min >= 1: the longest and shortest suffix
   looked up (longer suffixes first: they predict better)."""
   ngram_max: int = 3
   ngram_min: int = 1
   name: ClassVar[str] = "ngram"
+  what: ClassVar[str] = "prompt lookup"
+  one_hot: ClassVar[bool] = True
+
+  @property
+  def variable_count(self) -> bool:
+    return True
 
   def __post_init__(self):
     ok = lambda v: isinstance(v, int) and not isinstance(v, bool)
@@ -36,8 +44,25 @@ class NGram:
       raise ValueError(f"ngram_min={self.ngram_min!r}, ngram_max={self.ngram_max!r}: prompt lookup "
                        f"needs whole numbers with 1 <= ngram_min <= ngram_max (e.g. 1 and 3)")
 
-  def propose(self, history: jax.Array, history_len: jax.Array, tokens: jax.Array,
-              lengths: jax.Array, gamma: int) -> tuple[jax.Array, jax.Array]:
+  def init(self, params, draft_prompt, new_cache, gamma: int):
+    """No model and no cache; the anchors are the prompt, which the lookup reads."""
+    del params, new_cache, gamma
+    return None, dict(history=draft_prompt.tokens,
+                      history_len=draft_prompt.lengths.astype(jnp.int32))
+
+  def propose(self, params, anchors, state, block: Block) -> Proposal:
+    """The block's proposals with their one-hot q [B, K, V]; no draft pass."""
+    del params
+    tokens, count = self.lookup(anchors["history"], anchors["history_len"], block.tokens,
+                                block.lengths, block.gamma)
+    count = jnp.where(block.live, count, 0)
+    q_logp = jnp.where(jax.nn.one_hot(tokens, block.vocab, dtype=bool), 0.0, -jnp.inf)
+    none = jnp.zeros(block.live.shape, bool)
+    return Proposal(tokens=tokens, q_logp=q_logp, count=count, passes=count * 0,
+                    nonfinite=none, state=state)
+
+  def lookup(self, history: jax.Array, history_len: jax.Array, tokens: jax.Array,
+             lengths: jax.Array, gamma: int) -> tuple[jax.Array, jax.Array]:
     """history [B, P] (the prompt, valid below history_len [B]), tokens [B, N] (generated, valid
     below lengths [B]) -> (drafts [B, gamma] int32, 0 past each row's count; count [B])."""
     stream, end = committed_stream(history, history_len, tokens, lengths)

@@ -1,0 +1,140 @@
+"""The EAGLE-style draft head (models/draft_head.py, drafting/head.py, distill/head.py): greedy SD
+with it is the target's greedy decoding, exact SD keeps the target's law (and a broken rule
+fails the same test), training raises its agreement with the target, and a head built for
+another target is refused."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import testing
+from specjax.acceptance import registry
+from specjax.decoding import autoregressive, speculative
+from specjax.distill import head as head_training
+from specjax.drafting import HeadDrafter
+from specjax.models import Prompt
+from specjax.models.draft_head import DraftHead, with_target
+from specjax.models.llama import Llama, LlamaConfig
+from specjax.models.transformer import Rope
+from specjax.sampling import Warp
+
+
+def _llama(vocab_size=32, seed=0):
+  cfg = LlamaConfig(vocab_size=vocab_size, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, d_ff=64, rope=Rope(theta=10000.0), scan_layers=False)
+  model = Llama(cfg)
+  params = jax.tree_util.tree_map(lambda x: 4.0 * x, model.init_params(jax.random.PRNGKey(seed)))
+  return model, params
+
+
+def _head(target, target_params, seed=1):
+  head = DraftHead.for_target(target)
+  params = with_target(head.init_params(jax.random.PRNGKey(seed)), target_params)
+  return HeadDrafter(head=head), params
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_greedy_sd_with_a_head_is_greedy_decoding(family):
+  target, tparams = _llama() if family == "llama" else testing.tiny_decoder(seed=2)
+  drafter, dparams = _head(target, tparams)
+  testing.assert_greedy_sd_is_greedy(target, tparams, drafter, dparams, gamma=3,
+                                     max_new_tokens=14)
+
+
+V, MAX_NEW, PROMPT, N_RUNS = 4, 3, [1, 2, 1], 20_000
+
+
+def _pvalue(rule) -> float:
+  target, tparams = _llama(vocab_size=V, seed=5)
+  drafter, dparams = _head(target, tparams, seed=6)
+  warp = Warp(temperature=1.0)
+  gen = speculative.generate(target, tparams, drafter, dparams,
+                             Prompt.from_lists([PROMPT] * N_RUNS), jax.random.PRNGKey(7),
+                             rule=rule, gamma=2, max_new_tokens=MAX_NEW, warp=warp, eos_id=None)
+  assert gen.stats.totals()["accepted"] > 0
+  law = testing.enumerate_model_law(target, tparams, PROMPT, max_new_tokens=MAX_NEW, warp=warp)
+  return testing.chi_square_pvalue(law, testing.sequence_counts(gen.tokens, gen.lengths))
+
+
+@pytest.mark.slow   # the law test and its broken twin: 15 s (greedy with a head runs by default)
+def test_exact_sd_with_a_head_keeps_the_target_law():
+  assert _pvalue(registry.get("exact")) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_broken_rule_fails_the_same_law_test():
+  assert _pvalue(testing.ResampleFromP()) < 1e-6
+
+
+def _greedy_text(target, tparams, rows, n, seed):
+  prompt = Prompt.from_lists(rows)
+  gen = autoregressive.generate(target, tparams, prompt, jax.random.PRNGKey(seed),
+                                max_new_tokens=n, warp=Warp(0.0), eos_id=None)
+  return np.concatenate([np.asarray(prompt.tokens), np.asarray(gen.tokens)[:, :n]], axis=1)
+
+
+def _alpha(target, tparams, drafter, dparams, rows) -> float:
+  gen = speculative.generate(target, tparams, drafter, dparams, Prompt.from_lists(rows),
+                             jax.random.PRNGKey(0),
+                             rule="greedy", gamma=3, max_new_tokens=24, warp=Warp(0.0),
+                             eos_id=None)
+  totals = gen.stats.totals()
+  return totals["accepted"] / max(totals["verified"], 1)
+
+
+def test_training_raises_the_heads_acceptance():
+  """The target's own greedy continuations (SeqKD-style data): a trained head agrees with the
+  target far more often than the untrained one, as a draft in the loop (alpha) and in training
+  (top-1)."""
+  target, tparams = _llama(seed=3)
+  head = DraftHead.for_target(target)
+  rng = np.random.default_rng(0)
+  rows = [list(map(int, rng.integers(2, 32, size=3))) for _ in range(64)]
+  data = _greedy_text(target, tparams, rows, 29, seed=0)                # [64, 32]
+  batches = ((data[i % 4 * 16:(i % 4 + 1) * 16], np.ones((16, 32), np.int32))
+             for i in range(10**6))
+  fresh = head.init_params(jax.random.PRNGKey(1))
+  trained, history = head_training.train(head, target, tparams, batches, steps=150,
+                                         learning_rate=1e-2, head_params=fresh,
+                                         feature_weight=0.1)
+  assert history[-1]["top1"] > history[0]["top1"] + 0.3
+  before = _alpha(target, tparams, HeadDrafter(head=head), with_target(fresh, tparams), rows[:8])
+  after = _alpha(target, tparams, HeadDrafter(head=head), with_target(trained, tparams),
+                 rows[:8])
+  assert after > before + 0.25, (before, after)
+
+
+def test_a_head_for_another_target_is_refused():
+  target, tparams = _llama()
+  other, _ = testing.tiny_decoder(seed=2, vocab_size=48, d_model=16)
+  drafter = HeadDrafter(head=DraftHead.for_target(other))
+  with pytest.raises(ValueError, match="vocabulary 48 and hidden size 16.*has 32 and 32"):
+    speculative.generate(target, tparams, drafter, {}, Prompt.from_lists([[1, 2]]),
+                         jax.random.PRNGKey(0), rule="exact", gamma=2, max_new_tokens=4,
+                         warp=Warp(), eos_id=None)
+
+
+def test_a_cross_vocabulary_rule_is_refused_with_a_head():
+  target, tparams = _llama()
+  drafter, dparams = _head(target, tparams)
+  rule = registry.rule_class("intersection")
+  with pytest.raises(ValueError, match="proposes the target's own ids"):
+    drafter.check(target, rule)
+
+
+def test_the_head_reads_the_targets_embedding_and_head_not_a_copy():
+  target, tparams = _llama()
+  head = DraftHead.for_target(target)
+  own = head.init_params(jax.random.PRNGKey(0))
+  assert "token_embed" not in own and "lm_head" not in own and "fc" in own
+  params = with_target(own, tparams)
+  assert params["token_embed"]["embedding"] is tparams["token_embed"]["embedding"]
+  fc = own["fc"]["kernel"]
+  assert sorted(fc.shape) == [32, 64]
+  logits, f, cache = head.extend(params, jnp.zeros((2, 3, 32)), jnp.ones((2, 3), jnp.int32),
+                                 head.init_cache(2, 8))
+  assert logits.shape == (2, 3, 32) and f.shape == (2, 3, 32)
+  assert cache.lengths.tolist() == [3, 3]

@@ -2,6 +2,7 @@
 
 The Python API (specjax.api, docs/api.md): `load`, `generate`, `SpeculativeDecoder`, `Result`,
 `LoadedModel`, `NGram` (prompt lookup), `early_exit` (the target's first layers as its draft),
+`draft_head` (an EAGLE-style head trained on the target's features, `LoadedHead`),
 `sub_vocab` (a draft head over its K most frequent tokens), `UsageError`, imported on first use
 so that `import specjax.models...` stays light.
 """
@@ -9,8 +10,8 @@ so that `import specjax.models...` stays light.
 __version__ = "0.1.0"
 
 
-_API = ("LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError", "early_exit",
-        "generate", "load", "sub_vocab")
+_API = ("LoadedHead", "LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError",
+        "draft_head", "early_exit", "generate", "load", "sub_vocab")
 __all__ = ["__version__", *_API]
 
 

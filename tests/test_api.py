@@ -6,11 +6,13 @@ compiles nothing, and bad arguments raise UsageError before any decoding."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import shutil
 import string
 import textwrap
 
+import jax
 import pytest
 
 from test_cli_end_to_end import VOCAB, _tiny_pair
@@ -287,6 +289,32 @@ def test_prompt_lookup_drafts_from_python(models):
     specjax.SpeculativeDecoder(models["target"], "ngram", rule="fuzzy")
   with pytest.raises(specjax.UsageError, match="method with a draft model"):
     specjax.SpeculativeDecoder(models["target"], "ngram", rule="slem")
+
+
+def test_a_draft_head_drafts_from_python(models, tmp_path):
+  """specjax.draft_head(target, WORKDIR): greedy SD with the head equals the target alone; a
+  workdir without a head, or a head of another target's shapes, is refused with the reason."""
+  from specjax import checkpoint
+  from specjax.models.draft_head import DraftHead
+  target = models["target"]
+  head = DraftHead.for_target(target.model)
+  checkpoint.save_params(tmp_path / "head", head.init_params(jax.random.PRNGKey(0)))
+  loaded = specjax.draft_head(target, tmp_path / "head")
+  prompts = ["def f(x):\n    return x\n", "import os"]
+  out = specjax.generate(target, prompts, draft=loaded, rule="greedy", max_new_tokens=10,
+                         temperature=0)
+  alone = specjax.generate(target, prompts, max_new_tokens=10, temperature=0)
+  assert out.tokens == alone.tokens and out.stats["draft_passes"] > 0
+  assert specjax.SpeculativeDecoder(target, loaded).name == "exact + head"
+  with pytest.raises(specjax.UsageError, match="maps a draft model's vocabulary"):
+    specjax.SpeculativeDecoder(target, loaded, rule="intersection")
+  with pytest.raises(specjax.UsageError, match="params.*not found.*student=head"):
+    specjax.draft_head(target, tmp_path / "nothing")
+  other = DraftHead.for_target(dataclasses.replace(
+      target.model, config=dataclasses.replace(target.model.config, d_model=16)))
+  checkpoint.save_params(tmp_path / "other", other.init_params(jax.random.PRNGKey(0)))
+  with pytest.raises(specjax.UsageError, match="another model: tensor .* has shape"):
+    specjax.draft_head(target, tmp_path / "other")
 
 
 # ------------------------------------------------------------------------ probe round 3 (#26)

@@ -138,3 +138,20 @@ def test_the_head_reads_the_targets_embedding_and_head_not_a_copy():
                                  head.init_cache(2, 8))
   assert logits.shape == (2, 3, 32) and f.shape == (2, 3, 32)
   assert cache.lengths.tolist() == [3, 3]
+
+
+def test_the_head_method_needs_a_checkpoint():
+  from specjax.app import methods
+  from specjax.app.config import ConfigError, load_config
+  config = load_config("tiny.py", ["--config.draft.method=head", "--config.draft.checkpoint="])
+  with pytest.raises(ConfigError, match="method=head needs --config.draft.checkpoint=WORKDIR"):
+    methods.build(config)
+
+
+def test_a_head_student_cannot_sample_its_own_outputs():
+  from specjax.distill.trainer import TrainConfig
+  with pytest.raises(ValueError, match="cannot sample outputs.*set lambda2=0"):
+    TrainConfig(student="head", lambda1=0.0, lambda2=0.5)
+  with pytest.raises(ValueError, match="student must be one of draft, head"):
+    TrainConfig(student="eagle")
+  assert TrainConfig(student="head", lambda1=0.0, lambda2=0.0).student == "head"

@@ -280,6 +280,7 @@ TRAIN = ("--config.train.steps=4", "--config.pretrain.steps=4", "--config.train.
          "--config.train.checkpoint_every=2", "--config.train.eval_every=0",
          "--config.train.warmup_steps=1", "--config.train.decay_start=2",
          "--config.train.progress=false")
+HEAD_TRAIN = tuple(a for a in TRAIN if not a.startswith("--config.pretrain."))
 VERIFIER = ("--config.verifier.num_sequences=64", "--config.verifier.batch_rows=32",
             "--config.verifier.max_epochs=2")
 DEFAULT_PAIR = "tests/test_default_pair.py"       # the default command on a tiny GGUF wheel pair
@@ -405,6 +406,12 @@ COMMANDS: dict[str, Run | Skip] = {
     "--config.target.init_from=runs/tiny_target --config.distill.recipe=gkd": Run(
         check_metrics("runs/tiny_distill", 4), TRAIN, pair=False, cost=10,
         after="python -m train.pretrain --config distill_tiny.py --workdir runs/tiny_target"),
+    "python -m train.distill --config head_tiny.py --workdir runs/head_tiny": Run(
+        check_metrics("runs/head_tiny", 4), HEAD_TRAIN, cost=8),
+    "python -m specjax.decode --config tiny.py --config.draft.method=head "
+    "--config.draft.checkpoint=runs/head_tiny": Run(
+        check_stats, TINY, cost=6,
+        after="python -m train.distill --config head_tiny.py --workdir runs/head_tiny"),
     "python -m train.distill --config distill_t5_xl_small.py --workdir /mnt/bucket/run": Skip(
         "T5 XL and Small on a TPU v4 pod (a 16 x 4 mesh)",
         "the train.distill command above on distill_tiny.py (the same trainer); "

@@ -9,11 +9,11 @@ docs/api.md lists every name, its arguments and what recompiles.
 """
 
 from specjax.api.decoder import SpeculativeDecoder, generate
-from specjax.api.drafters import early_exit, sub_vocab
+from specjax.api.drafters import LoadedHead, draft_head, early_exit, sub_vocab
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel, load
 from specjax.api.results import Result
 from specjax.drafting import NGram
 
-__all__ = ["LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError", "early_exit",
-           "generate", "load", "sub_vocab"]
+__all__ = ["LoadedHead", "LoadedModel", "NGram", "Result", "SpeculativeDecoder", "UsageError",
+           "draft_head", "early_exit", "generate", "load", "sub_vocab"]

@@ -29,6 +29,7 @@ import numpy as np
 
 from specjax.acceptance.base import Rule
 from specjax.api import rules, streaming
+from specjax.api.drafters import LoadedHead
 from specjax.api.errors import UsageError, check_types
 from specjax.api.loading import LoadedModel
 from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Speculative, Sprinter,
@@ -53,7 +54,8 @@ class SpeculativeDecoder:
 
   target, draft: LoadedModel (specjax.load); draft may also be prompt lookup, "ngram" or
   specjax.NGram(ngram_max=3, ngram_min=1): no model, drafts copied from the prompt and the
-  output (rules exact, greedy, lenient, hf_greedy_draft). rule: a rule name or an acceptance rule object
+  output (rules exact, greedy, lenient, hf_greedy_draft), or a draft head trained for the
+  target, specjax.draft_head(target, WORKDIR) (any same-vocabulary rule). rule: a rule name or an acceptance rule object
   (None: "exact" with a draft; the target alone without one). gamma: draft tokens per block.
   mesh: a ('data', 'model') jax.sharding.Mesh to place the params on and decode over (None: one
   device). max_len: cache positions of every model (0: just enough for each batch).
@@ -69,7 +71,7 @@ class SpeculativeDecoder:
                **rule_args):
     _check_model(target, "target")
     draft = NGram() if draft == "ngram" else draft
-    if draft is not None and not isinstance(draft, NGram):
+    if draft is not None and not isinstance(draft, (NGram, LoadedHead)):
       _check_model(draft, "draft")
     if mesh is not None and (not isinstance(mesh, jax.sharding.Mesh)
                              or set(mesh.axis_names) != {"data", "model"}):
@@ -227,8 +229,8 @@ def _method(target, draft, rule, rule_args: dict, settings: DecodeSettings, mesh
                           mesh=mesh)
   rule = "exact" if rule is None else rule
   target = placed(target, mesh, True, "the target")
-  if isinstance(draft, NGram):
-    return _lookup(target, draft, rule, rule_args, settings, mesh)
+  if isinstance(draft, (NGram, LoadedHead)):
+    return _own_ids(target, draft, rule, rule_args, settings, mesh)
   if rule in STRING_LEVEL:
     return _string_level(target, draft, rule, rule_args, settings, mesh)
   draft = placed(draft, mesh, False, "the draft")
@@ -238,16 +240,20 @@ def _method(target, draft, rule, rule_args: dict, settings: DecodeSettings, mesh
                      rule=rules.make(rule, rule_args, target, draft))
 
 
-def _lookup(target, drafter: NGram, rule, args: dict, settings, mesh) -> Speculative:
-  """Prompt lookup verified by a same-vocabulary rule that reads no draft distribution."""
+def _own_ids(target, draft: NGram | LoadedHead, rule, args: dict, settings,
+             mesh) -> Speculative:
+  """A drafter that proposes the target's own ids (prompt lookup, a draft head) verified by a
+  same-vocabulary rule (prompt lookup: one that reads no draft distribution)."""
+  drafter = draft if isinstance(draft, NGram) else draft.drafter
   if rule in METHOD_RULES:
-    raise UsageError(f"rule={rule!r} is a method with a draft model of its own; prompt lookup "
-                     f"drafts for {drafting.ONE_HOT_RULES}")
+    rules_ok = drafting.ONE_HOT_RULES if drafter.one_hot else "an acceptance rule"
+    raise UsageError(f"rule={rule!r} is a method with a draft model of its own; "
+                     f"{drafter.what or drafter.name} drafts for {rules_ok}")
   refusal = drafter.refusal(rules.rule_class(rule) if isinstance(rule, str) else rule)
   if refusal:
     raise UsageError(refusal)
   # The drafter proposes the target's own ids: the target stands for the draft's vocabulary.
-  return Speculative(target=target, settings=settings, mesh=mesh, draft=drafter,
+  return Speculative(target=target, settings=settings, mesh=mesh, draft=draft,
                      rule=rules.make(rule, args, target, target))
 
 

@@ -1,18 +1,24 @@
 """Drafters made from loaded models: early exit, the target's first layers with its final norm and
-head (LayerSkip's self-speculation; transformers' `assistant_early_exit`), and a draft whose head
-scores only its K most frequent tokens (FR-Spec). Prompt lookup, the drafter without a model, is
+head (LayerSkip's self-speculation; transformers' `assistant_early_exit`), a draft whose head
+scores only its K most frequent tokens (FR-Spec), and an EAGLE-style draft head trained on the
+target's features (`draft_head`). Prompt lookup, the drafter without a model, is
 drafting/ngram.NGram."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import checkpoint
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.data.token_counts import stdlib_counts
+from specjax.drafting import HeadDrafter
+from specjax.models.draft_head import DraftHead, with_target
 from specjax.models import layers as layers_lib
 from specjax.models.prompting import eos_ids
 from specjax.models.sub_vocab import SubVocab
@@ -80,3 +86,36 @@ def sub_vocab(draft: LoadedModel, k: int, counts=None, flag: str = "vocab_top_k"
   config = dataclasses.replace(model.config, head_subset=subset)
   return dataclasses.replace(draft, model=dataclasses.replace(model, config=config),
                              params=params)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedHead:
+  """An EAGLE-style draft head trained for `target` (draft_head): the drafter and the head's own
+  params; the target's embedding and LM head are read from the target at decoding time."""
+  drafter: HeadDrafter
+  params: Any
+  path: str = ""
+  name: ClassVar[str] = "head"
+
+  def loop_params(self, target: LoadedModel):
+    """The params the loop passes the drafter: the head's with the target's shared ones."""
+    return with_target(self.params, target.params)
+
+
+def draft_head(target: LoadedModel, path: str, flag: str = "draft") -> LoadedHead:
+  """The draft head saved in `path` (the workdir of `python -m train.distill
+  --config.distill.student=head`) for `target` (a loaded decoder-only model). A head trained for
+  another target is refused, naming the tensor whose shape differs. `flag` names the setting in
+  errors."""
+  model = _loaded(target, "target").model
+  try:
+    head = DraftHead.for_target(model)
+  except ValueError as err:
+    raise UsageError(f"{flag}: {err}") from None
+  like = head.init_params(jax.random.PRNGKey(0))
+  try:
+    params = checkpoint.load_params(path, like)
+  except (FileNotFoundError, ValueError) as err:
+    raise UsageError(f"{flag}={str(path)!r}: {err} (a draft head is trained with "
+                     f"`python -m train.distill --config.distill.student=head`)") from None
+  return LoadedHead(drafter=HeadDrafter(head=head), params=params, path=str(path))

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from specjax.api import prompt_fit, streaming
+from specjax.api.drafters import LoadedHead
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.data import tokenizer as tokenizer_lib
@@ -306,15 +307,16 @@ def _no_streaming(method: Method, on_chunk) -> None:
 @dataclasses.dataclass(frozen=True)
 class Speculative(Method):
   """Draft-then-verify blocks in one jitted loop, with any registered acceptance rule. The draft
-  is a model, or prompt lookup (NGram: no model; the rules of NGram.refusal)."""
-  draft: LoadedModel | NGram = None
+  is a model, prompt lookup (NGram: no model; the rules of NGram.refusal) or a draft head
+  trained for the target (LoadedHead)."""
+  draft: LoadedModel | NGram | LoadedHead = None
   rule: object = None
   name: ClassVar[str] = "speculative"
   streams: ClassVar[bool] = True
 
   @property
   def label(self) -> str:
-    lookup = f" + {self.draft.name}" if isinstance(self.draft, NGram) else ""
+    lookup = f" + {self.draft.name}" if isinstance(self.draft, (NGram, LoadedHead)) else ""
     return self.rule.rule_name + lookup
 
   def reserve(self, loaded: LoadedModel) -> Reserve:
@@ -325,8 +327,12 @@ class Speculative(Method):
 
   def generate(self, prompts: Prompts, key, on_chunk=None) -> Generation:
     s = self.settings
-    draft, params = ((self.draft, None) if isinstance(self.draft, NGram) else
-                     (self.draft.model, self.draft.params))
+    if isinstance(self.draft, NGram):
+      draft, params = self.draft, None
+    elif isinstance(self.draft, LoadedHead):          # the head reads the target's features
+      draft, params = self.draft.drafter, self.draft.loop_params(self.target)
+    else:
+      draft, params = self.draft.model, self.draft.params
     return speculative.generate(
         self.target.model, self.target.params, draft, params, prompts.target, key,
         rule=self.rule, gamma=s.gamma, max_new_tokens=s.max_new_tokens, warp=s.warp,

@@ -247,7 +247,8 @@ def train_config(config, pretrain: bool = False) -> TrainConfig:
   else:
     values.update(loss=d.get("loss", "fkl"), lambda1=d.get("lambda1", 0.0),
                   lambda2=d.get("lambda2", 1.0))
-  values.update(beta=d.get("beta", 0.5), temperature=d.get("temperature", 1.0))
+  values.update(beta=d.get("beta", 0.5), temperature=d.get("temperature", 1.0),
+                student=d.get("student", "draft"))
   return typed(TrainConfig, values, "train")
 
 

@@ -117,8 +117,10 @@ def eval_hooks(config, cfg, trainer, source, teacher_params):
   sampler = data.Sampler(trainer.student, trainer.teacher, trainer.eos_id, cfg.temperature,
                          trainer.pad_id)
   held_out = trainer.place_batch(source.batch(0, split="validation"))
+  on_policy = None if cfg.student == "head" else \
+      evals.on_policy_eval(sampler, held_out, teacher_params, key)   # a head samples nothing
   return evals.combine(
-      evals.on_policy_eval(sampler, held_out, teacher_params, key),
+      on_policy,
       evals.speculative_eval(trainer.teacher, trainer.student, prompts, teacher_params,
                              jax.random.fold_in(key, 1), settings, eos_id=trainer.eos_id,
                              mesh=trainer.mesh))

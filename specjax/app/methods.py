@@ -19,7 +19,7 @@ from specjax import sharding
 from specjax.acceptance import registry
 from specjax.api import methods as api_methods
 from specjax.api import rules as api_rules
-from specjax.api.drafters import early_exit, sub_vocab
+from specjax.api.drafters import draft_head, early_exit, sub_vocab
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Prompts,  # noqa: F401
@@ -36,7 +36,8 @@ def method_name(config, draft_role: str = "draft") -> str:
   """The method a config asks for (see the module docstring)."""
   rule = builders.section(config, "rule").get("name", "")
   draft = builders.section(config, draft_role)
-  if not ((draft.get("checkpoint") or draft.get("method") in ("ngram", "early_exit")) and rule):
+  if not ((draft.get("checkpoint") or draft.get("method") in ("ngram", "early_exit", "head"))
+          and rule):
     return "autoregressive"
   return rule if rule in api_methods.names() else "speculative"
 
@@ -124,6 +125,8 @@ def autoregressive(config, target_role: str = "target", draft_role: str = "draft
 class DrafterSettings:
   """The drafter fields of a draft section (configs/common.draft)."""
   method: str = "model"          # model | ngram (prompt lookup) | early_exit (the target's layers)
+  #                                | head (a draft head trained on the target: checkpoint = its
+  #                                  train.distill --config.distill.student=head workdir)
   ngram_max: int = 3
   ngram_min: int = 1
   exit_layer: int = 0            # early_exit: the target's first exit_layer layers draft
@@ -135,12 +138,13 @@ def drafter_settings(config, role: str = "draft") -> DrafterSettings:
   spec = builders.typed(DrafterSettings, values, role)
   if spec.method not in DRAFTERS:
     raise ConfigError(f"--config.{role}.method={spec.method!r}: use model (the checkpoint "
-                      f"drafts), ngram (prompt lookup) or early_exit (the target's first "
-                      f"--config.{role}.exit_layer layers)")
+                      f"drafts), ngram (prompt lookup), early_exit (the target's first "
+                      f"--config.{role}.exit_layer layers) or head (a draft head: "
+                      f"--config.{role}.checkpoint=its train.distill workdir)")
   return spec
 
 
-DRAFTERS = ("model", "ngram", "early_exit")
+DRAFTERS = ("model", "ngram", "early_exit", "head")
 
 
 def drafter(config, role: str = "draft") -> NGram | None:
@@ -175,6 +179,8 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
     return Speculative(target=load_placed(config, "target", mesh, target=True),
                        settings=builders.decode_settings(config), mesh=mesh, draft=lookup,
                        rule=builders.rule(config))
+  if drafter_settings(config, draft_role).method == "head":
+    return _head_method(config, draft_role, mesh, cls)
   if drafter_settings(config, draft_role).method == "early_exit":
     target = load_placed(config, "target", mesh, target=True)
     exit_layer = drafter_settings(config, draft_role).exit_layer
@@ -192,6 +198,25 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
     raise ConfigError(str(err)) from None
   return Speculative(target=target, settings=builders.decode_settings(config), mesh=mesh,
                      draft=draft, rule=builders.rule(config, **fixed))
+
+
+def _head_method(config, role: str, mesh, rule_cls) -> Speculative:
+  """The target with the draft head saved in the draft section's checkpoint (a workdir)."""
+  flag = f"--config.{role}.checkpoint"
+  path = builders.section(config, role).get("checkpoint", "")
+  if not path:
+    raise ConfigError(f"--config.{role}.method=head needs {flag}=WORKDIR: the workdir of "
+                      f"`python -m train.distill --config.distill.student=head`")
+  target = load_placed(config, "target", mesh, target=True)
+  try:
+    head = draft_head(target, path, flag)
+  except UsageError as err:
+    raise ConfigError(str(err)) from None
+  refusal = head.drafter.refusal(rule_cls)
+  if refusal:
+    raise ConfigError(f"{refusal} (--config.rule.name; --config.{role}.method=head)")
+  return Speculative(target=target, settings=builders.decode_settings(config), mesh=mesh,
+                     draft=head, rule=builders.rule(config))
 
 
 def variant(base: Speculative, config) -> Speculative | StringLevel:

@@ -27,6 +27,7 @@ from specjax.app.config import ConfigError
 from specjax.app.fit import ProgressDisplay, check_workdir, fit, open_source, train_flag
 from specjax.distill import trainer as trainer_lib
 from specjax.distill.metrics_log import count_text
+from specjax.models.draft_head import DraftHead
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,9 @@ def _train(config, workdir: Path, pretrain: bool):
     # take seconds to minutes on a cold start, and neither needs the other.
     source = trainer_lib.Background(open_data, config, cfg.batch_size)
     role = pretrain_role(config) if pretrain else "draft"
-    student = build(config, role, cfg.seed)
     teacher = None if pretrain else build(config, "target", cfg.seed + 1)
+    student = head_student(teacher, cfg.seed) if cfg.student == "head" else \
+        build(config, role, cfg.seed)
     return fit(config, workdir, student, teacher, pretrain=pretrain, display=display,
                source=source.result())
   finally:
@@ -258,6 +260,19 @@ def open_data(config, batch_size: int):
   spec = builders.data_spec(config)
   spec = dataclasses.replace(spec, tokenizer=resolve.tokenizer_location(spec.tokenizer))
   return open_source(spec, batch_size)
+
+
+def head_student(teacher, seed: int):
+  """(DraftHead, fresh params) for the teacher (the draft section is not read)."""
+  model, _ = teacher
+  try:
+    head = DraftHead.for_target(model)
+  except ValueError as err:
+    raise ConfigError(f"--config.distill.student=head: {err}") from None
+  params = head.init_params(jax.random.PRNGKey(seed))
+  log.info("student: a draft head on the target's features, %s params (the draft section is "
+           "not read)", count_text(sharding.num_params(params)))
+  return head, params
 
 
 def build(config, role: str, seed: int):

@@ -75,7 +75,8 @@ def training(**overrides) -> ml_collections.ConfigDict:
 
 
 def distill(**overrides) -> ml_collections.ConfigDict:
-  fields = dict(recipe="", loss="fkl", beta=0.5, lambda1=0.0, lambda2=1.0, temperature=1.0)
+  fields = dict(recipe="", loss="fkl", beta=0.5, lambda1=0.0, lambda2=1.0, temperature=1.0,
+                student="draft")
   fields.update(overrides)
   return ml_collections.ConfigDict(fields)
 

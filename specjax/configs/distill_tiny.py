@@ -28,8 +28,7 @@ def get_config():
   c.data = ml_collections.ConfigDict(dict(
       source="markov", vocab_size=vocab, prompt_len=8, target_len=16, seed=0, eos_id=1, pad_id=0,
       task="stdlib_lm", tokenizer="stdlib:unigram:512"))
-  c.distill = ml_collections.ConfigDict(dict(
-      recipe="", loss="fkl", beta=0.5, lambda1=0.0, lambda2=1.0, temperature=1.0))
+  c.distill = common.distill()
   c.train = ml_collections.ConfigDict(dict(
       steps=200, batch_size=16, learning_rate=1e-2, warmup_steps=10, decay_start=100,
       final_lr_ratio=0.1, optimizer="adafactor", seed=0, log_every=20, checkpoint_every=50,

@@ -25,7 +25,9 @@ from specjax.acceptance import registry
 from specjax.decoding import speculative
 from specjax.distill import data as data_lib
 from specjax.distill import losses as losses_lib
+from specjax.drafting import HeadDrafter
 from specjax.models import Prompt, score
+from specjax.models.draft_head import DraftHead, with_target
 from specjax.sampling import Warp
 
 Hook = Callable[[int, object], dict]
@@ -76,7 +78,10 @@ def speculative_eval(teacher, student, prompts: Prompt, teacher_params, key, set
   warp = Warp(temperature=settings.temperature)
 
   def hook(step: int, params) -> dict:
-    gen = speculative.generate(teacher, teacher_params, student, params, prompts, key, rule=rule,
+    draft = student
+    if isinstance(student, DraftHead):        # a head drafts from the teacher's features
+      draft, params = HeadDrafter(head=student), with_target(params, teacher_params)
+    gen = speculative.generate(teacher, teacher_params, draft, params, prompts, key, rule=rule,
                                gamma=settings.gamma, max_new_tokens=settings.max_new_tokens,
                                warp=warp, eos_id=eos_id)
     return {"eval_alpha": gen.stats.alpha(), "eval_tau": gen.stats.tau()}

@@ -31,33 +31,40 @@ def smooth_l1(x: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.mean(optax.huber_loss(x.astype(jnp.float32), y.astype(jnp.float32)), axis=-1)
 
 
-def head_loss(head_params, head: draft_head.DraftHead, target, target_params,
-              tokens: jax.Array, mask: jax.Array, key: jax.Array, *, noise: float = 0.1,
-              feature_weight: float = 1.0, divergence: str = "fkl"):
-  """tokens [B, L], mask [B, L] (1 where a token is real) -> (scalar loss, metrics). noise:
-  the width of the uniform noise added to the input features."""
-  batch, length = tokens.shape
-  cache = target.init_cache(batch, length)
-  p_logits, h, _ = target.extend_entries(target_params, tokens, cache)  # [B, L, V], [B, L, D]
-  p_logits, h = jax.lax.stop_gradient(p_logits), jax.lax.stop_gradient(h)
-  features = h[:, :-1] + noise * jax.random.uniform(key, h[:, :-1].shape, h.dtype, -0.5, 0.5)
+NOISE = 0.1            # the width of the uniform noise on the head's input features
+FEATURE_WEIGHT = 0.1   # the regression's weight beside the divergence
+
+
+def head_loss(head_params, head: draft_head.DraftHead, target_params, t_logits: jax.Array,
+              t_hidden: jax.Array, targets: jax.Array, mask: jax.Array, key: jax.Array, *,
+              loss: losses.Loss, feature_weight: float = FEATURE_WEIGHT, noise: float = NOISE):
+  """The head's loss on one batch of the target's outputs: t_logits [B, L, V] (position i
+  predicts targets[i]) and t_hidden [B, L, D] (the feature that predicted it), targets [B, L],
+  mask [B, L] -> (scalar loss, metrics). The head reads (t_hidden[i], targets[i]) and is scored
+  against t_logits[i+1] (loss: a distill/losses.py Loss) and t_hidden[i+1] (smooth L1)."""
+  t_logits, t_hidden = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(t_hidden)
+  batch, length = targets.shape
+  features = t_hidden[:, :-1]
+  features = features + noise * jax.random.uniform(key, features.shape, features.dtype, -0.5, 0.5)
   params = draft_head.with_target(head_params, target_params)
-  q_logits, f, _ = head.extend(params, features, tokens[:, 1:], head.init_cache(batch, length))
+  q_logits, f, _ = head.extend(params, features, targets[:, :-1],
+                               head.init_cache(batch, length - 1))          # [B, L-1, V / D]
   pair = (mask[:, 1:] * mask[:, :-1]).astype(jnp.float32)             # [B, L-1] both real
-  regression = losses.sequence_mean(smooth_l1(f, h[:, 1:]), pair)      # [B]
-  div = losses.get(divergence).per_sequence(q_logits, p_logits[:, 1:], None, pair)  # [B]
-  agree = jnp.argmax(q_logits, -1) == jnp.argmax(p_logits[:, 1:], -1)
+  regression = losses.sequence_mean(smooth_l1(f, t_hidden[:, 1:]), pair)              # [B]
+  div = loss.per_sequence(q_logits, t_logits[:, 1:], targets[:, 1:], pair)            # [B]
+  agree = jnp.argmax(q_logits, -1) == jnp.argmax(t_logits[:, 1:], -1)
   top1 = jnp.sum(agree * pair) / jnp.maximum(jnp.sum(pair), 1.0)
-  loss = jnp.mean(feature_weight * regression + div)
-  return loss, {"loss": loss, "regression": jnp.mean(regression), "divergence": jnp.mean(div),
-                "top1": top1}
+  value = jnp.mean(feature_weight * regression + div)
+  return value, {"regression": jnp.mean(regression), "divergence": jnp.mean(div), "top1": top1}
 
 
 def train(head: draft_head.DraftHead, target, target_params, batches: Iterable, *, steps: int,
           learning_rate: float = 1e-3, seed: int = 0, head_params=None, **loss_args):
   """Train the head for `steps` steps on `batches` (an iterable of (tokens [B, L], mask
-  [B, L])) with AdamW. head_params: where to start (None: a fresh head). Returns (head params,
-  the metrics of every step as a list of dicts of floats)."""
+  [B, L])) with AdamW and the forward KL (loss_args: head_loss's feature_weight and noise).
+  head_params: where to start (None: a fresh head). Returns (head params, the metrics of every
+  step as a list of dicts of floats). train.distill --config.train.student=head is the
+  configured, resumable form."""
   key = jax.random.PRNGKey(seed)
   params = head.init_params(key) if head_params is None else head_params
   optimizer = optax.adamw(learning_rate)
@@ -73,7 +80,11 @@ def train(head: draft_head.DraftHead, target, target_params, batches: Iterable, 
 
 def _step(head, target, optimizer, params, opt_state, target_params, tokens, mask, key, *,
           loss_args):
-  grads, metrics = jax.grad(head_loss, has_aux=True)(params, head, target, target_params, tokens,
-                                                     mask, key, **loss_args)
+  # Position t of the target's pass over tokens predicts tokens[t+1] from its feature h_t.
+  logits, hidden, _ = target.extend_entries(target_params, tokens,
+                                            target.init_cache(*tokens.shape))
+  grads, metrics = jax.grad(head_loss, has_aux=True)(
+      params, head, target_params, logits[:, :-1], hidden[:, :-1], tokens[:, 1:], mask[:, 1:],
+      key, loss=losses.get("fkl"), **loss_args)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, metrics

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from specjax.distill import head as head_lib
 from specjax.distill import losses as losses_lib
 from specjax.models import score
+from specjax.models.draft_head import DraftHead
 
 # What a step's `bad_quantity` code names (0: all finite); checked in this order.
 QUANTITIES = (None, "loss", "gradient norm", "params")
@@ -74,15 +76,23 @@ def train_step(state: TrainState, batch, teacher_params, *, student, teacher, lo
   A non-finite step (or any step after one) leaves params and optimizer state as they were; the
   step counter advances, so the loop's step and the state's stay in line."""
   prompt, targets, mask = batch.prompt, batch.targets, batch.mask
-  teacher_logits = None
+  teacher_logits = teacher_hidden = None
   if teacher is not None:
-    teacher_logits = jax.lax.stop_gradient(score(teacher, teacher_params, prompt, targets)[0])
+    teacher_logits, teacher_hidden = jax.lax.stop_gradient(
+        score(teacher, teacher_params, prompt, targets))                  # [B, L, V], [B, L, D]
 
   def loss_fn(params):
     student_logits, _ = score(student, params, prompt, targets)            # [B, L, V]
     return loss(student_logits, teacher_logits, targets, mask), student_logits
 
-  (value, student_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  if isinstance(student, DraftHead):     # an EAGLE-style head: it reads the teacher's features
+    (value, extra), grads = jax.value_and_grad(head_lib.head_loss, has_aux=True)(
+        state.params, student, teacher_params, teacher_logits, teacher_hidden, targets, mask,
+        jax.random.fold_in(state.rng, state.step), loss=loss)
+    student_logits = None
+  else:
+    (value, student_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    extra = {}
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
@@ -91,8 +101,8 @@ def train_step(state: TrainState, batch, teacher_params, *, student, teacher, lo
   params, opt_state = _unless(keep, (params, opt_state), (state.params, state.opt_state))
   first_bad = (quantity > 0) & (state.bad_step == 0)
   metrics = {"loss": value, "lr": schedule(state.step), "tokens": jnp.sum(mask),
-             "grad_norm": grad_norm}
-  if teacher_logits is not None:
+             "grad_norm": grad_norm, **extra}
+  if student_logits is not None and teacher_logits is not None:
     tvd = jnp.mean(losses_lib.tvd(student_logits, teacher_logits, mask))
     metrics.update(tvd=tvd, accept=1.0 - tvd)
   new_state = state.replace(

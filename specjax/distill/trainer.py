@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 Evaluate = Callable[[int, Any], dict]     # (steps done, student params) -> scalars to record
 
 
+STUDENTS = ("draft", "head")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Everything the loop needs; built from the config at the edge (specjax.app.builders)."""
@@ -69,6 +72,7 @@ class TrainConfig:
   lambda1: float = 0.0
   lambda2: float = 1.0
   temperature: float = 1.0          # sampling temperature of generated outputs
+  student: str = "draft"            # draft (a model) | head (an EAGLE-style head on the teacher)
   seed: int = 0
   log_every: int = 100
   checkpoint_every: int = 1_000
@@ -92,6 +96,12 @@ class TrainConfig:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if not math.isfinite(self.learning_rate):
       raise ValueError(f"learning_rate must be a finite number, got {self.learning_rate}")
+    if self.student not in STUDENTS:
+      raise ValueError(f"student must be one of {', '.join(STUDENTS)}, got {self.student!r}")
+    if self.student == "head" and self.lambda1 < 1.0 and self.lambda2 > 0.0:
+      raise ValueError(f"student 'head' drafts from the teacher's features and cannot sample "
+                       f"outputs of its own (lambda1 {self.lambda1}, lambda2 {self.lambda2}): "
+                       f"set lambda2=0 (teacher outputs) or lambda1=1 (the dataset)")
     for name in ("checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

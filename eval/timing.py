@@ -61,6 +61,31 @@ def step_loop(model, params, prompt, width: int, capacity: int, steps: int = 64)
   return functools.partial(_extend_loop, model, params, cache, width, steps)
 
 
+@functools.partial(jax.jit, static_argnames=("head", "steps"))
+def _head_loop(head, params, cache, steps: int):
+  """`steps` draft-head passes over one (feature, token) pair, rolled back each time."""
+  batch = cache.lengths.shape[0]
+  features = jnp.ones((batch, 1, head.hidden_size), head.dtype)
+  tokens = jnp.ones((batch, 1), jnp.int32)
+  base = cache.lengths
+
+  def body(_, carry):
+    c, acc = carry
+    logits, _, c = head.extend(params, features, tokens, c)
+    return kv_cache.rollback(c, base), acc + jnp.sum(logits, axis=(1, 2))
+
+  _, acc = jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros(base.shape, jnp.float32)))
+  return acc
+
+
+def head_step_loop(head, params, batch: int, capacity: int, filled: int, steps: int = 64):
+  """A call running `steps` passes of a draft head (models/draft_head.py) over one position,
+  with `filled` of its cache's `capacity` entries in use (what the cost model's c reads)."""
+  cache = head.init_cache(batch, capacity)
+  cache = cache.replace(lengths=jnp.full((batch,), min(filled, capacity - 1), jnp.int32))
+  return functools.partial(_head_loop, head, params, cache, steps)
+
+
 def cost_probes(target, target_params, draft, draft_params, prompt, draft_prompt, rule,
                 gamma: int, max_new: int, steps: int, widths=()) -> dict:
   """Calls for the cost model's probes, each `steps` passes with the caches speculative decoding

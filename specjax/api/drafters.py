@@ -18,6 +18,7 @@ from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.data.token_counts import stdlib_counts
 from specjax.drafting import HeadDrafter
+from specjax.models import dense_layout
 from specjax.models.draft_head import DraftHead, with_target
 from specjax.models import layers as layers_lib
 from specjax.models.prompting import eos_ids
@@ -102,6 +103,24 @@ class LoadedHead:
     return with_target(self.params, target.params)
 
 
+def _head_params(path, head: DraftHead):
+  """The params saved in `path`, in `head`'s dense layout whichever layout they were trained in:
+  the target's layout is chosen per machine at load (layout="auto"), so a head trained beside an
+  [in, out] target must load beside an [out, in] one. The fc kernel ([2D, D] or [D, 2D]) tells
+  which layout a checkpoint holds; the error is the one for the target's own layout."""
+  try:
+    return checkpoint.load_params(path, head.init_params(jax.random.PRNGKey(0)))
+  except ValueError as err:
+    other = dense_layout.IN_OUT if head.layout == dense_layout.OUT_IN else dense_layout.OUT_IN
+    twin = dataclasses.replace(head, arch=dataclasses.replace(head.arch, layout=other))
+    try:
+      saved = checkpoint.load_params(path, twin.init_params(jax.random.PRNGKey(0)))
+    except ValueError:
+      raise err from None
+  flip = lambda p, x: x.T if dense_layout.transposes(tuple(k.key for k in p), dense_layout.OUT_IN) else x
+  return jax.tree_util.tree_map_with_path(flip, saved)
+
+
 def draft_head(target: LoadedModel, path: str, flag: str = "draft") -> LoadedHead:
   """The draft head saved in `path` (the workdir of `python -m train.distill
   --config.distill.student=head`) for `target` (a loaded decoder-only model). A head trained for
@@ -112,9 +131,8 @@ def draft_head(target: LoadedModel, path: str, flag: str = "draft") -> LoadedHea
     head = DraftHead.for_target(model)
   except ValueError as err:
     raise UsageError(f"{flag}: {err}") from None
-  like = head.init_params(jax.random.PRNGKey(0))
   try:
-    params = checkpoint.load_params(path, like)
+    params = _head_params(path, head)
   except (FileNotFoundError, ValueError) as err:
     raise UsageError(f"{flag}={str(path)!r}: {err} (a draft head is trained with "
                      f"`python -m train.distill --config.distill.student=head`)") from None

@@ -4,10 +4,7 @@ does not), and which rules it refuses."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -141,11 +138,7 @@ print("same")
 
 @pytest.mark.slow   # 23 s; sharded speculative decoding with a draft model runs by default
 def test_prompt_lookup_on_a_mesh_gives_the_one_device_tokens():
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
-                        text=True, timeout=300)
-  assert proc.returncode == 0 and "same" in proc.stdout, proc.stderr[-3000:]
+  testing.assert_prints_on_devices(_SHARDED, "same")
 
 
 def test_the_edit_config_holds_its_prompts():

@@ -8,14 +8,12 @@ beside each drafter (test_ngram, test_early_exit, test_draft_head); this is the 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from specjax import testing
 from specjax.decoding import speculative
 from specjax.drafting import HeadDrafter, NGram
 from specjax.models import Prompt, layers
@@ -111,8 +109,4 @@ print("same")
 
 @pytest.mark.slow   # a subprocess with 8 simulated devices: about 30 s
 def test_the_draft_head_on_a_mesh_gives_the_one_device_tokens():
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  proc = subprocess.run([sys.executable, "-c", _SHARDED_HEAD], env=env, capture_output=True,
-                        text=True, timeout=300)
-  assert proc.returncode == 0 and "same" in proc.stdout, proc.stderr[-3000:]
+  testing.assert_prints_on_devices(_SHARDED_HEAD, "same")

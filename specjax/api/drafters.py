@@ -106,18 +106,20 @@ class LoadedHead:
 def _head_params(path, head: DraftHead):
   """The params saved in `path`, in `head`'s dense layout whichever layout they were trained in:
   the target's layout is chosen per machine at load (layout="auto"), so a head trained beside an
-  [in, out] target must load beside an [out, in] one. The fc kernel ([2D, D] or [D, 2D]) tells
-  which layout a checkpoint holds; the error is the one for the target's own layout."""
+  [in, out] target must load beside an [out, in] one. Tried in the target's layout, then in the
+  other (its fc kernel, [2D, D] or [D, 2D], cannot fit both); the error is the first's."""
+  shapes = lambda h: jax.eval_shape(h.init_params, jax.random.PRNGKey(0))
   try:
-    return checkpoint.load_params(path, head.init_params(jax.random.PRNGKey(0)))
+    return checkpoint.load_params(path, shapes(head))
   except ValueError as err:
     other = dense_layout.IN_OUT if head.layout == dense_layout.OUT_IN else dense_layout.OUT_IN
     twin = dataclasses.replace(head, arch=dataclasses.replace(head.arch, layout=other))
     try:
-      saved = checkpoint.load_params(path, twin.init_params(jax.random.PRNGKey(0)))
+      saved = checkpoint.load_params(path, shapes(twin))
     except ValueError:
       raise err from None
-  flip = lambda p, x: x.T if dense_layout.transposes(tuple(k.key for k in p), dense_layout.OUT_IN) else x
+  flip = lambda p, x: x.T if dense_layout.transposes(tuple(k.key for k in p),
+                                                     dense_layout.OUT_IN) else x
   return jax.tree_util.tree_map_with_path(flip, saved)
 
 

@@ -22,7 +22,7 @@ from specjax.models import kv_cache
 # fuses a scan body and straight-line layers into different reductions (one ulp on CPU; up to
 # ~2e-6 on an H200).
 def layout_ulp() -> float:
-  return 1e-6 if jax.default_backend() == "cpu" else 1e-5
+  return 2e-6 if jax.default_backend() == "cpu" else 1e-5
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,8 @@ grouped [B, T, Hkv, G, Dh] rather than the keys repeated, so the cache is read a
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -33,12 +35,16 @@ def attend(q: jax.Array, segments, scale: float | None = None, precision=None) -
     if bias is not None:                      # [B|1, H, T, S_i] grouped as the scores
       s = s + bias.reshape(bias.shape[:1] + (kv_heads, -1) + bias.shape[2:])
     scores.append(jnp.where(mask[:, None, None], s, low))
-  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)       # [B, Hkv, G, T, sum S_i]
-  out, start = 0, 0
-  for k, v, _, _ in segments:
-    part = probs[..., start:start + k.shape[2]].astype(v.dtype)
-    out = out + jnp.einsum("bkgts,bksd->btkgd", part, v, precision=precision)  # [B, T, Hkv, G, Dh]
-    start += k.shape[2]
+  # One softmax over all segments, without concatenating them: XLA:GPU emitted the
+  # concatenation as one slow kernel per layer that also computed the cache's scores.
+  top = jax.lax.stop_gradient(
+      functools.reduce(jnp.maximum, [s.max(-1, keepdims=True, initial=low) for s in scores]))  # [B,Hkv,G,T,1]
+  exps = [jnp.exp(s - top) for s in scores]
+  total = sum(e.sum(-1, keepdims=True) for e in exps)                        # [B, Hkv, G, T, 1]
+  out = 0
+  for (_, v, _, _), e in zip(segments, exps):
+    out = out + jnp.einsum("bkgts,bksd->btkgd", (e / total).astype(v.dtype), v,
+                           precision=precision)                              # [B, T, Hkv, G, Dh]
   return out.reshape(batch, num_new, heads * head_dim)
 
 

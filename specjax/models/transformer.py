@@ -178,8 +178,12 @@ def rotary_angles(inv_freq: np.ndarray, positions: jax.Array,
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """x [B,T,H,Dh]: rotate the pairs (i, i + Dh/2) by the position's angles (HF rotate_half)."""
-  x1, x2 = jnp.split(x, 2, axis=-1)                                           # [B, T, H, Dh/2]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  # As pairs [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], written with a reversal of the pair
+  # axis rather than a concatenation: elementwise, so it fuses into its neighbours everywhere.
+  pairs = x.reshape(x.shape[:-1] + (2, x.shape[-1] // 2))                    # [B, T, H, 2, Dh/2]
+  signed_sin = sin[..., None, :] * jnp.array([[-1], [1]], sin.dtype)        # [B, T, 1, 2, Dh/2]
+  out = pairs * cos[..., None, :] + jnp.flip(pairs, axis=-2) * signed_sin
+  return out.reshape(x.shape)
 
 
 def masks(a: Arch, positions: jax.Array, lengths: jax.Array, capacity: int):

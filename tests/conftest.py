@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -16,6 +18,22 @@ if os.environ.get("JAX_PLATFORMS") == "cpu" and not os.environ.get("SPECJAX_TEST
   os.environ["XLA_FLAGS"] = " ".join(filter(None, [
       os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
       "--xla_llvm_disable_expensive_passes=true"]))
+
+# Many tests compile the same programs (the same tiny models, shapes and rules): one persistent
+# compilation cache for the whole run, made by the first process (pytest-xdist's controller, whose
+# environment its workers and every subprocess inherit) and removed at its end. A run that sets
+# JAX_COMPILATION_CACHE_DIR keeps its own.
+_OWN_COMPILE_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+  _OWN_COMPILE_CACHE = tempfile.mkdtemp(prefix="specjax-test-compile-")
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_OWN_COMPILE_CACHE,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def pytest_unconfigure(config):
+  if _OWN_COMPILE_CACHE and "PYTEST_XDIST_WORKER" not in os.environ:
+    shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,8 +13,8 @@
 # only the package (no dependencies) where an image already holds jax for the accelerator, after
 # the wheels in .whl/ if there are any (what such an image lacks: gguf, ml-collections).
 # eval.bench is resumable: a second run with the same OUT_DIR measures only the missing cases.
-# On a fresh H200 a case takes 90-110 s at the 1.5B shape and about 170 s at the 7B (compiling
-# and timing seven programs): a case cut by its budget writes nothing.
+# A case compiles and times seven or more programs (minutes at the 7B shape on a fresh machine) and
+# one cut by its budget writes nothing: BENCH_S must hold whole cases.
 # Writes suite.log, failures.txt (each failure as it happens: a suite cut short still names
 # them), bench.json and bench.md (the table; device, jax and commit in the JSON); then put the
 # table into docs/results.md with them.

@@ -35,11 +35,11 @@ def attend(q: jax.Array, segments, scale: float | None = None, precision=None) -
     if bias is not None:                      # [B|1, H, T, S_i] grouped as the scores
       s = s + bias.reshape(bias.shape[:1] + (kv_heads, -1) + bias.shape[2:])
     scores.append(jnp.where(mask[:, None, None], s, low))
-  # One softmax over all segments, without concatenating them: with this and the rotary
-  # embedding's concatenation gone, XLA:GPU lost a kernel per layer per step that cost 30 us at
-  # the 7B shape (docs/results.md, "Attention without concatenations").
-  top = jax.lax.stop_gradient(
-      functools.reduce(jnp.maximum, [s.max(-1, keepdims=True, initial=low) for s in scores]))  # [B,Hkv,G,T,1]
+  # One softmax over all segments, without concatenating them: XLA:GPU made the concatenation a
+  # kernel of its own in every layer of every step (docs/results.md, "Attention without
+  # concatenations"). A shared maximum and a shared sum give the same values.
+  maxima = [s.max(-1, keepdims=True, initial=low) for s in scores]          # [B, Hkv, G, T, 1]
+  top = jax.lax.stop_gradient(functools.reduce(jnp.maximum, maxima))
   exps = [jnp.exp(s - top) for s in scores]
   total = sum(e.sum(-1, keepdims=True) for e in exps)                        # [B, Hkv, G, T, 1]
   out = 0

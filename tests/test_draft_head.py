@@ -5,13 +5,17 @@ another target is refused."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import specjax
 from specjax import testing
 from specjax.acceptance import registry
+from specjax.api.loading import LoadedModel
 from specjax.decoding import autoregressive, speculative
 from specjax.distill import head as head_training
 from specjax.drafting import HeadDrafter
@@ -155,3 +159,99 @@ def test_a_head_student_cannot_sample_its_own_outputs():
   with pytest.raises(ValueError, match="student must be one of draft, head"):
     TrainConfig(student="eagle")
   assert TrainConfig(student="head", lambda1=0.0, lambda2=0.0).student == "head"
+
+
+# A draft head over a sub-vocabulary (FR-Spec; api/drafters.sub_vocab with target=): the head
+# scores K ids through its own [D, K] cut of the target's LM head.
+
+STOP = types.SimpleNamespace(eos_ids=(1,))     # what sub_vocab reads of a tokenizer
+
+
+def _loaded(family, vocab_size=32, seed=0):
+  target, tparams = _llama(vocab_size, seed) if family == "llama" else testing.tiny_decoder(
+      seed=seed, vocab_size=vocab_size)
+  head = DraftHead.for_target(target)
+  loaded = specjax.LoadedHead(drafter=HeadDrafter(head=head),
+                              params=head.init_params(jax.random.PRNGKey(seed + 1)))
+  return LoadedModel(model=target, params=tparams, tokenizer=STOP, path=None), loaded
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])       # an untied head and a tied one
+def test_a_cut_head_scores_its_subset_through_its_own_kernel(family):
+  target, full = _loaded(family)
+  cut = specjax.sub_vocab(full, 6, counts=np.arange(32)[::-1].copy(), target=target)
+  assert cut.drafter.head.arch.head_subset.ids.tolist() == [0, 1, 2, 3, 4, 5]
+  params = cut.loop_params(target)
+  assert params["lm_head"]["kernel"].shape == (32, 6)
+  assert "lm_head" not in target.params or target.params["lm_head"]["kernel"].shape[-1] == 32
+  args = (jnp.ones((2, 3, 32)), jnp.array([[2, 7, 9], [1, 1, 3]]))
+  want, f_want, _ = full.drafter.head.extend(full.loop_params(target), *args,
+                                             full.drafter.head.init_cache(2, 8))
+  got, f_got, _ = cut.drafter.head.extend(params, *args, cut.drafter.head.init_cache(2, 8))
+  np.testing.assert_allclose(f_got, f_want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(got[..., :6], want[..., :6], rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(got[..., 6:]) == -np.inf)
+
+
+def test_greedy_sd_with_a_cut_head_is_greedy_decoding():
+  target, full = _loaded("llama")
+  cut = specjax.sub_vocab(full, 8, counts=np.random.RandomState(0).randint(0, 9, 32),
+                          target=target)
+  testing.assert_greedy_sd_is_greedy(target.model, target.params, cut.drafter,
+                                     cut.loop_params(target), gamma=3, max_new_tokens=14)
+
+
+def _cut_pvalue(rule) -> float:
+  """Exact SD with a head cut to ids {0, 1} of 4, on a target whose mass is mostly outside."""
+  target, full = _loaded("llama", vocab_size=V, seed=5)
+  cut = specjax.sub_vocab(full, 2, counts=np.array([5, 0, 0, 0]), target=target)
+  warp = Warp(temperature=1.0)
+  gen = speculative.generate(target.model, target.params, cut.drafter, cut.loop_params(target),
+                             Prompt.from_lists([PROMPT] * N_RUNS), jax.random.PRNGKey(7),
+                             rule=rule, gamma=2, max_new_tokens=MAX_NEW, warp=warp, eos_id=None)
+  assert gen.stats.totals()["accepted"] > 0
+  law = testing.enumerate_model_law(target.model, target.params, PROMPT,
+                                    max_new_tokens=MAX_NEW, warp=warp)
+  assert sum(m for seq, m in law.items() if any(t >= 2 for t in seq)) > 0.5
+  return testing.chi_square_pvalue(law, testing.sequence_counts(gen.tokens, gen.lengths))
+
+
+@pytest.mark.slow   # the law test and its broken twin (the cut draft model's run by default)
+def test_exact_sd_with_a_cut_head_keeps_the_target_law():
+  assert _cut_pvalue(registry.get("exact")) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_residual_limited_to_the_heads_subset_fails_the_same_law_test():
+  from test_sub_vocab import ResidualInSubset
+  assert _cut_pvalue(ResidualInSubset()) < 1e-6
+
+
+def test_cutting_a_head_is_refused_with_the_fix():
+  target, full = _loaded("llama")
+  with pytest.raises(specjax.UsageError, match="pass the target, sub_vocab"):
+    specjax.sub_vocab(full, 4, counts=np.ones(32))
+  with pytest.raises(specjax.UsageError, match="from 1 to 31 \\(the target has 32\\)"):
+    specjax.sub_vocab(full, 32, counts=np.ones(32), target=target)
+  cut = specjax.sub_vocab(full, 4, counts=np.ones(32), target=target)
+  with pytest.raises(specjax.UsageError, match="already scores 4 ids"):
+    specjax.sub_vocab(cut, 3, counts=np.ones(32), target=target)
+  other, _ = _loaded("gpt2", vocab_size=48)
+  with pytest.raises(specjax.UsageError, match="vocabulary 32 and hidden size 32.*has 48"):
+    specjax.sub_vocab(full, 4, counts=np.ones(48), target=other)
+
+
+def test_the_config_flag_cuts_the_head(monkeypatch):
+  from specjax.app import methods
+  from specjax.app.config import ConfigError, load_config
+  target, full = _loaded("llama")
+  monkeypatch.setattr(methods, "load_placed", lambda *a, **k: target)
+  monkeypatch.setattr(methods, "draft_head", lambda *a, **k: full)
+  args = ["--config.draft.method=head", "--config.draft.checkpoint=somewhere"]
+  config = load_config("tiny.py", [*args, "--config.draft.vocab_top_k=99"])
+  with pytest.raises(ConfigError, match="--config.draft.vocab_top_k=99: choose a whole number"):
+    methods.build(config)
+  monkeypatch.setattr(methods, "sub_vocab", lambda head, k, flag, target: specjax.sub_vocab(
+      head, k, counts=np.ones(32), flag=flag, target=target))       # no corpus to count
+  method = methods.build(load_config("tiny.py", [*args, "--config.draft.vocab_top_k=5"]))
+  assert method.draft.drafter.head.arch.head_subset.size == 5

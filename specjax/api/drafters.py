@@ -52,13 +52,18 @@ def early_exit(target: LoadedModel, exit_layer: int, flag: str = "exit_layer") -
                      tokenizer=target.tokenizer, path=target.path)
 
 
-def sub_vocab(draft: LoadedModel, k: int, counts=None, flag: str = "vocab_top_k") -> LoadedModel:
+def sub_vocab(draft, k: int, counts=None, flag: str = "vocab_top_k", target=None):
   """`draft` with a head that scores only k token ids (FR-Spec): its stop ids and the most
   frequent others of `counts` ([V] array; None: the stdlib corpus under the draft's tokenizer,
   counted once and cached, data/token_counts.py). Every other id gets q = 0: exact SD stays
   lossless (the residual covers them) and acceptance is capped by the target's mass on the k ids.
   The params keep the embedding and gain a head kernel [D, k] (a separate [D, V] head kernel is
-  replaced). `flag` names the setting in errors."""
+  replaced). A draft head (LoadedHead, which reads its target's LM head) needs `target`: it gets
+  its own [D, k] cut of the target's head and counts under the target's tokenizer; a head is
+  trained on the full vocabulary and cut at load. Returns the same kind as `draft`. `flag` names
+  the setting in errors."""
+  if isinstance(draft, LoadedHead):
+    return _cut_draft_head(draft, k, counts, flag, target)
   model = _loaded(draft, "draft").model
   if model.is_encoder_decoder:
     raise UsageError(f"{flag}: a sub-vocabulary head is built for decoder-only drafts; "
@@ -66,27 +71,38 @@ def sub_vocab(draft: LoadedModel, k: int, counts=None, flag: str = "vocab_top_k"
   if model.config.head_subset is not None:
     raise UsageError(f"{flag}: this draft's head already scores {model.config.head_subset.size} "
                      f"ids; cut it from the full draft")
-  vocab, stops = model.vocab_size, eos_ids(draft.tokenizer)
-  if isinstance(k, bool) or not isinstance(k, int) or not len(stops) <= k < vocab:
-    raise UsageError(f"{flag}={k!r}: choose a whole number of ids from {max(len(stops), 1)} to "
-                     f"{vocab - 1} (the draft has {vocab}); 0 in a config keeps the full head")
-  counts = stdlib_counts(draft.tokenizer, vocab) if counts is None else np.asarray(counts)
-  if counts.shape != (vocab,):
-    raise UsageError(f"counts has shape {counts.shape}: give one count per draft id, ({vocab},)")
-  subset = SubVocab.most_frequent(counts, k, always=stops)
+  subset = _most_frequent(draft.tokenizer, model.vocab_size, k, counts, flag, "draft")
   params = dict(draft.params)
-  head = params.get("lm_head", {})
-  if model.quant:                                     # int8 kernel [D, V] with a scale [V]
-    head = {"kernel": subset.head_columns(head["kernel"]),
-            "scale": jnp.take(head["scale"], jnp.asarray(subset.ids))}
-  elif model.config.tie_word_embeddings:
-    head = {"kernel": subset.head_rows(params["token_embed"]["embedding"])}
-  else:
-    head = {"kernel": subset.head_columns(head["kernel"])}                    # [D, k]
-  params["lm_head"] = head
+  params["lm_head"] = _cut_head(params, subset, model.quant, model.config.tie_word_embeddings)
   config = dataclasses.replace(model.config, head_subset=subset)
   return dataclasses.replace(draft, model=dataclasses.replace(model, config=config),
                              params=params)
+
+
+def _most_frequent(tokenizer, vocab: int, k, counts, flag: str, who: str) -> SubVocab:
+  """The stop ids of `tokenizer` and the most frequent others of `counts` (None: the stdlib
+  corpus's), k ids of `vocab`; a UsageError naming `flag` and the range that fits."""
+  stops = eos_ids(tokenizer)
+  if isinstance(k, bool) or not isinstance(k, int) or not len(stops) <= k < vocab:
+    raise UsageError(f"{flag}={k!r}: choose a whole number of ids from {max(len(stops), 1)} to "
+                     f"{vocab - 1} (the {who} has {vocab}); 0 in a config keeps the full head")
+  counts = stdlib_counts(tokenizer, vocab) if counts is None else np.asarray(counts)
+  if counts.shape != (vocab,):
+    raise UsageError(f"counts has shape {counts.shape}: give one count per {who} id, ({vocab},)")
+  return SubVocab.most_frequent(counts, k, always=stops)
+
+
+def _cut_head(params, subset: SubVocab, quant: str, tied: bool) -> dict:
+  """The `lm_head` params of a head that scores `subset` only, cut from a model's `params`: an
+  int8 kernel [D, k] with its scale [k], or a float kernel [D, k] from the embedding (tied) or
+  from the full [D, V] kernel."""
+  head = params.get("lm_head", {})
+  if quant:
+    return {"kernel": subset.head_columns(head["kernel"]),
+            "scale": jnp.take(head["scale"], jnp.asarray(subset.ids))}
+  if tied:
+    return {"kernel": subset.head_rows(params["token_embed"]["embedding"])}
+  return {"kernel": subset.head_columns(head["kernel"])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +112,14 @@ class LoadedHead:
   drafter: HeadDrafter
   params: Any
   path: str = ""
+  lm_head: Any = None        # a sub-vocabulary head's own kernel [D, K] (None: the target's)
   name: ClassVar[str] = "head"
 
   def loop_params(self, target: LoadedModel):
-    """The params the loop passes the drafter: the head's with the target's shared ones."""
-    return with_target(self.params, target.params)
+    """The params the loop passes the drafter: the head's with the target's shared ones (and
+    its own sub-vocabulary LM head, when it has one)."""
+    params = with_target(self.params, target.params)
+    return params if self.lm_head is None else {**params, "lm_head": self.lm_head}
 
 
 def _head_params(path, head: DraftHead):
@@ -126,8 +145,8 @@ def _head_params(path, head: DraftHead):
 def draft_head(target: LoadedModel, path: str, flag: str = "draft") -> LoadedHead:
   """The draft head saved in `path` (the workdir of `python -m train.distill
   --config.distill.student=head`) for `target` (a loaded decoder-only model). A head trained for
-  another target is refused, naming the tensor whose shape differs. `flag` names the setting in
-  errors."""
+  another target is refused, naming the tensor whose shape differs. sub_vocab(head, k,
+  target=target) cuts its vocabulary. `flag` names the setting in errors."""
   model = _loaded(target, "target").model
   try:
     head = DraftHead.for_target(model)
@@ -139,3 +158,24 @@ def draft_head(target: LoadedModel, path: str, flag: str = "draft") -> LoadedHea
     raise UsageError(f"{flag}={str(path)!r}: {err} (a draft head is trained with "
                      f"`python -m train.distill --config.distill.student=head`)") from None
   return LoadedHead(drafter=HeadDrafter(head=head), params=params, path=str(path))
+
+
+def _cut_draft_head(loaded: LoadedHead, k, counts, flag: str, target) -> LoadedHead:
+  """sub_vocab for a draft head: its arch scores k ids through its own cut of `target`'s head."""
+  head = loaded.drafter.head
+  if target is None:
+    raise UsageError(f"{flag}: a draft head scores through its target's LM head: pass the "
+                     f"target, sub_vocab(head, {k!r}, target=TARGET)")
+  if head.arch.head_subset is not None:
+    raise UsageError(f"{flag}: this draft head already scores {head.arch.head_subset.size} ids; "
+                     f"cut it from the full head")
+  model = _loaded(target, "target").model
+  if (model.vocab_size, model.hidden_size) != (head.vocab_size, head.hidden_size):
+    raise UsageError(f"{flag}: this draft head was built for a target of vocabulary "
+                     f"{head.vocab_size} and hidden size {head.hidden_size}; the target has "
+                     f"{model.vocab_size} and {model.hidden_size}")
+  subset = _most_frequent(target.tokenizer, head.vocab_size, k, counts, flag, "target")
+  cut = DraftHead(arch=dataclasses.replace(head.arch, head_subset=subset))
+  lm_head = _cut_head(target.params, subset, head.quant, head.arch.tie_word_embeddings)
+  return dataclasses.replace(loaded, drafter=dataclasses.replace(loaded.drafter, head=cut),
+                             lm_head=lm_head)

@@ -208,8 +208,11 @@ def _head_method(config, role: str, mesh, rule_cls) -> Speculative:
     raise ConfigError(f"--config.{role}.method=head needs {flag}=WORKDIR: the workdir of "
                       f"`python -m train.distill --config.distill.student=head`")
   target = load_placed(config, "target", mesh, target=True)
+  k = drafter_settings(config, role).vocab_top_k
   try:
     head = draft_head(target, path, flag)
+    if k:
+      head = sub_vocab(head, k, flag=f"--config.{role}.vocab_top_k", target=target)
   except UsageError as err:
     raise ConfigError(str(err)) from None
   refusal = head.drafter.refusal(rule_cls)

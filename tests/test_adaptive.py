@@ -170,7 +170,7 @@ def test_window_never_exceeds_twenty_drafts_with_a_larger_gamma():
   np.testing.assert_array_equal(gen.lengths, [50, 50])
 
 
-def _pvalue(rule, n_rows=100_000):
+def _pvalue(rule, n_rows=50_000):     # the JS rule's p-value is 0.0 at 50k rows
   gen = _spec(Prompt.from_lists([[1]] * n_rows), jax.random.PRNGKey(3), rule, gamma=3, max_new=4)
   law = testing.enumerate_law(MODEL, TARGET, [1], max_new_tokens=4, warp=Warp(), eos_id=0)
   st = gen.stats

@@ -75,7 +75,9 @@ def test_a_file_of_other_results_is_refused(tmp_path, capsys):
   assert other.read_text() == '[{"gamma": 3}]'
 
 
-@pytest.mark.parametrize("name", list(shapes.SHAPES))
+# qwen2.5-7b's pair is built by test_step_cost_counts_what_a_decoding_step_reads below.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "qwen2.5-7b"
+                                  else n for n in shapes.SHAPES])
 def test_every_shape_scales_to_a_consistent_model(name, tmp_path):
   for cfg in shapes.SHAPES[name]:
     for n in (1, 2, 16, 64):

@@ -270,7 +270,7 @@ def lossless(law, counts, runs) -> tuple[bool, float, float]:
 
 
 def test_tli_lossless_and_mutant_fails():
-  runs = 200_000
+  runs = 50_000     # the mutant's TV is 0.196 at 50k rows (and at 200k); the bound is 0.069
   vm = toy_vocab()
   law, counts, gen = run_loop(vocab.Intersection(vocab=vm), runs, seed=3)
   ok, pval, tv = lossless(law, counts, runs)

@@ -110,7 +110,11 @@ def prefix_accepted(accept: jax.Array, draft_len: jax.Array) -> jax.Array:
 
 
 def take_position(x: jax.Array, idx: jax.Array) -> jax.Array:
-  """x [B, K, ...], idx [B] -> x[b, idx[b]] of shape [B, ...] (idx clipped to K-1)."""
+  """x [B, K, ...], idx [B] -> x[b, idx[b]] of shape [B, ...] (idx clipped to K-1). K = 0 (a
+  block verified without drafts): -inf for floats (log q = -inf, q = 0), 0 for integers."""
+  if x.shape[1] == 0:
+    empty = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else 0
+    return jnp.full(x.shape[:1] + x.shape[2:], empty, x.dtype)
   idx = jnp.minimum(idx, x.shape[1] - 1)
   return jax.vmap(lambda row, i: row[i])(x, idx)
 

@@ -244,11 +244,13 @@ def verify_widths(setup: Setup) -> tuple[int, ...]:
   """Static widths of the target's verify pass. Drafters that propose gamma tokens: gamma+1.
   Drafters whose proposals vary per row (AdaSD's window up to 20, prompt lookup) get power-of-two
   buckets, so that a block whose longest proposal is 3 runs a 4-token pass, not a 21-token one
-  (a pass's cost grows with its width on CPU)."""
+  (a pass's cost grows with its width on CPU). A drafter that may propose nothing (prompt lookup
+  without a match) also gets width 1: such a block is the target's own decoding step."""
   full = setup.gamma + 1
   if not setup.drafter.variable_count:
     return (full,)
-  return tuple(sorted({min(2 ** i, full) for i in range(1, full.bit_length() + 1)}))
+  first = 0 if setup.drafter.may_propose_none else 1
+  return tuple(sorted({min(2 ** i, full) for i in range(first, full.bit_length() + 1)}))
 
 
 def _verify(setup: Setup, params, s: SpecState, d: drafting.Proposal, live, keys):

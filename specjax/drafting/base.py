@@ -93,6 +93,12 @@ class Drafter:
     static width that holds the block's longest proposal."""
     return False
 
+  @property
+  def may_propose_none(self) -> bool:
+    """True when every row of a block may offer no proposal (prompt lookup without a match):
+    the loop then also verifies at width 1, the target's own step."""
+    return False
+
   def check(self, target, rule) -> None:
     """ValueError naming the problem and the fix when `rule` cannot verify this drafter's
     proposals for `target`."""

@@ -38,6 +38,10 @@ class NGram(Drafter):
   def variable_count(self) -> bool:
     return True
 
+  @property
+  def may_propose_none(self) -> bool:
+    return True
+
   def __post_init__(self):
     ok = lambda v: isinstance(v, int) and not isinstance(v, bool)
     if not (ok(self.ngram_min) and ok(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max):

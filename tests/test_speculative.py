@@ -250,8 +250,8 @@ def test_verify_pass_widths_follow_the_drafters_count():
   assert speculative.verify_widths(setup("exact", 20)) == (21,)
   assert speculative.verify_widths(setup("adaptive", 20)) == (2, 4, 8, 16, 21)
   assert speculative.verify_widths(setup("adaptive", 3)) == (2, 4)
-  lookup = speculative.Setup(target=model, drafter=drafting.NGram(), rule=registry.get("exact"), gamma=3,
-                             max_new=8, warp=Warp(), eos=-1, max_len=32)
+  lookup = speculative.Setup(target=model, drafter=drafting.NGram(), rule=registry.get("exact"),
+                             gamma=3, max_new=8, warp=Warp(), eos=-1, max_len=32)
   assert speculative.verify_widths(lookup) == (1, 2, 4)      # no match: the target's own step
 
 

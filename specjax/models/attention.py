@@ -9,6 +9,12 @@ Grouped-query attention: the segments may hold fewer heads (Hkv) than the querie
 head h reads key/value head h // (H / Hkv), as Hugging Face's `repeat_kv`. The queries are
 grouped [B, T, Hkv, G, Dh] rather than the keys repeated, so the cache is read as it lies
 (Hkv = H is plain multi-head attention, G = 1).
+
+`attend_each_position` is the width-invariant form: each query position attends on its own over
+one segment (the cache with the block written at its positions), so a position's output is the
+same bits whether it came in a pass of one position or of T, and whatever the cache's capacity.
+Batched products over T positions, a cache/block split and one reduction over S all change the
+order of float sums with T or S (about 1e-7 apart).
 """
 
 from __future__ import annotations
@@ -47,6 +53,58 @@ def attend(q: jax.Array, segments, scale: float | None = None, precision=None) -
     out = out + jnp.einsum("bkgts,bksd->btkgd", (e / total).astype(v.dtype), v,
                            precision=precision)                              # [B, T, Hkv, G, Dh]
   return out.reshape(batch, num_new, heads * head_dim)
+
+
+# Keys per step of attend_each_position's loop; its segment's length is padded to a multiple.
+CHUNK = 128
+
+
+def attend_each_position(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                         window: int | None = None, scale: float | None = None,
+                         precision=None) -> jax.Array:
+  """`attend`, with each query position on its own: q [B,T,H,Dh]; k, v [B,Hkv,S,Dh] one segment
+  holding every key at its slot (the block's included), S a multiple of CHUNK; positions [B,T]
+  the queries' slots (a query sees the slots <= its own, and > its own - window) -> [B,T,H*Dh].
+
+  A position's output is the same bits in a pass of any width T and a cache of any capacity S: a
+  lax.map over T runs one program per position, and each runs an online softmax over the chunks
+  of CHUNK keys up to its own slot, in order, so neither T nor S changes an operand's shape or
+  the order of a sum (batched products over T, or one reduction over S, round differently for
+  each T and S)."""
+  batch, _, heads, head_dim = q.shape
+  kv_heads = k.shape[1]
+  low = jnp.finfo(jnp.float32).min
+
+  def chunk(c, carry, q_t, pos_t):
+    top, total, acc = carry                            # [B,Hkv,G], [B,Hkv,G], [B,Hkv,G,Dh]
+    k_c = jax.lax.dynamic_slice_in_dim(k, c * CHUNK, CHUNK, axis=2)          # [B,Hkv,C,Dh]
+    v_c = jax.lax.dynamic_slice_in_dim(v, c * CHUNK, CHUNK, axis=2)
+    slots = c * CHUNK + jnp.arange(CHUNK)
+    seen = slots[None, :] <= pos_t[:, None]                                  # [B, C]
+    if window is not None:
+      seen = seen & (slots[None, :] > pos_t[:, None] - window)
+    s = jnp.einsum("bkgd,bkcd->bkgc", q_t, k_c, precision=precision,
+                   preferred_element_type=jnp.float32)                       # [B,Hkv,G,C]
+    s = jnp.where(seen[:, None, None], s if scale is None else s * scale, low)
+    new_top = jax.lax.stop_gradient(jnp.maximum(top, s.max(-1)))
+    e = jnp.where(seen[:, None, None], jnp.exp(s - new_top[..., None]), 0.0)
+    rescale = jnp.exp(top - new_top)          # 1 exactly where the chunk saw nothing new
+    acc = acc * rescale[..., None] + jnp.einsum("bkgc,bkcd->bkgd", e.astype(v.dtype), v_c,
+                                                precision=precision)
+    return new_top, total * rescale + e.sum(-1), acc
+
+  def one(args):
+    q_t, pos_t = args                                                        # [B,H,Dh], [B]
+    q_t = q_t.reshape(batch, kv_heads, heads // kv_heads, head_dim)         # [B,Hkv,G,Dh]
+    start = (jnp.full(q_t.shape[:-1], low, jnp.float32),
+             jnp.zeros(q_t.shape[:-1], jnp.float32), jnp.zeros(q_t.shape, jnp.float32))
+    chunks = jnp.max(pos_t) // CHUNK + 1      # a row past its own last chunk adds exact zeros
+    _, total, acc = jax.lax.fori_loop(
+        0, chunks, lambda c, carry: chunk(c, carry, q_t, pos_t), start)
+    return (acc / total[..., None]).astype(q.dtype).reshape(batch, heads * head_dim)
+
+  out = jax.lax.map(one, (jnp.swapaxes(q, 0, 1), jnp.swapaxes(positions, 0, 1)))   # [T,B,H*Dh]
+  return jnp.swapaxes(out, 0, 1)
 
 
 def heads_first(x: jax.Array) -> jax.Array:

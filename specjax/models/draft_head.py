@@ -52,7 +52,8 @@ class HeadModule(nn.Module):
                                                             positions, dt)
     context = (rotary, transformer.masks(a, positions, lengths, k.shape[3]))
     z, (new_k, new_v) = transformer.Layer(a, name=LAYER)(z, (k[0], v[0]), context)
-    f = transformer.norm(a, a.norm_names[2])(z)                                # [B, T, D]
+    each = isinstance(context[1], transformer.EachPosition)
+    f = transformer.norm(a, a.norm_names[2], each)(z)                          # [B, T, D]
     if select is not None:
       f = jnp.take_along_axis(f, select[:, None, None], axis=1)[:, 0]          # [B, D]
     return f, transformer.logits(a, f, embed), new_k[None], new_v[None]

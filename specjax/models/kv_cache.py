@@ -95,6 +95,15 @@ def write_layers(buf: jax.Array, new: jax.Array, lengths: jax.Array,
   return buf
 
 
+def with_block(buf: jax.Array, new: jax.Array, lengths: jax.Array, multiple: int = 1) -> jax.Array:
+  """One layer's buffer [B, H, S, Dh] (read only) -> a copy, its positions padded with zeros to
+  a multiple of `multiple`, with the block's entries new [B, T, H, Dh] written at lengths[b] ..
+  lengths[b]+T-1 (the one segment of models/attention.attend_each_position)."""
+  pad = -buf.shape[2] % multiple
+  buf = jnp.pad(buf, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else buf
+  return write_layers(buf[None], new[None], lengths)[0]
+
+
 def append(cache: KVCache, k: jax.Array, v: jax.Array) -> KVCache:
   """Write the T new entries k, v [L,B,T,H,Dh] of row b at lengths[b] and advance lengths by T."""
   layout = cache.layout

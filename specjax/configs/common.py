@@ -11,14 +11,15 @@ STDLIB_PROMPTS = (
 )
 
 
-def model(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.ConfigDict:
+def model(checkpoint: str, dtype: str = "float32", quant: str = "",
+          **fields) -> ml_collections.ConfigDict:
   """A model section: a checkpoint (local HF directory, hub id in the local cache, or
   `builtin:PAIR/ROLE`), its dtype, its layer layout (`layers`: auto, scan or unrolled), `quant`
   ("int8": int8 dense layers, models/quant.py), its dense-kernel layout (`layout`: auto, in_out
   or out_in; auto measures once per machine on CPU: models/layout_choice.py) and optionally
   `tokenizer` or `init_from`."""
   return ml_collections.ConfigDict(dict(checkpoint=checkpoint, dtype=dtype, layers="auto",
-                                        quant="", layout="auto", **fields))
+                                        quant=quant, layout="auto", **fields))
 
 
 def draft(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.ConfigDict:

@@ -15,11 +15,12 @@ directories and cached under $SPECJAX_CACHE (default ~/.cache/specjax; ~6.5 GB i
         --methods target,draft,exact,greedy,lenient:eps=0.1,fuzzy:threshold=0.3,adaptive
     python -m train.distill --config distill_qwen_coder.py --workdir runs/distill_qwen_coder
 
-Weights run in float32: on XLA:CPU a bfloat16 matmul is several times slower than a float32 one
-(docs/results.md); `--config.target.dtype=bfloat16 --config.draft.dtype=bfloat16` halves memory.
-`--config.target.quant=auto --config.draft.quant=auto` loads int8 dense layers on a CPU with VNNI
-(faster there, but speculative decoding over int8 weights is not token-identical to the int8
-target alone: docs/results.md, int8).
+Weights: `quant=auto` loads int8 dense layers where that was measured faster (XLA:CPU on a CPU
+with VNNI: models/quant.choose) and float32 elsewhere (on XLA:CPU a bfloat16 matmul is several
+times slower than a float32 one: docs/results.md); the start-up lines say which and why.
+`--config.target.quant='' --config.draft.quant=''` keeps float32 everywhere;
+`--config.target.dtype=bfloat16 --config.draft.dtype=bfloat16` halves float memory. The int8
+model is width-invariant, so greedy SD writes the int8 target's own tokens (docs/results.md).
 Greedy decoding (temperature 0) with the `greedy` rule gives the target's own greedy text;
 `exact` with temperature > 0 samples from the target's distribution.
 """
@@ -39,10 +40,10 @@ PROMPTS = (
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.target = common.model("pypi:qwen-coder/target")
-  c.draft = common.draft("pypi:qwen-coder/draft")
+  c.target = common.model("pypi:qwen-coder/target", quant="auto")
+  c.draft = common.draft("pypi:qwen-coder/draft", quant="auto")
   c.rule = common.rule("greedy")
-  c.decode = common.decode(gamma=4, temperature=0.0, max_new_tokens=64)
+  c.decode = common.decode(gamma=3, temperature=0.0, max_new_tokens=64)   # best with int8
   c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
   c.distributed = common.distributed()
   c.prompts = list(PROMPTS)

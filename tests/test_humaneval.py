@@ -217,3 +217,21 @@ def test_max_new_tokens_the_caches_cannot_hold_is_refused_before_decoding(pair):
                                         rf"positions .* use --max_new_tokens {most} or less"):
     humaneval.check_room(method, problems, 384)
   humaneval.check_room(method, problems, most)    # the largest that fits passes
+
+
+def test_write_prompts_skips_the_offset_and_feeds_decode(tmp_path, capsys):
+  """--offset 1 --limit 3 --write_prompts F: problems 2-4, in decode's --input_file form, and
+  nothing decoded; an offset past the last problem is refused."""
+  path = tmp_path / "five.jsonl"
+  rows = [{"task_id": f"Fake/{i}", "prompt": f"def f{i}():\n    \"\"\"{i}\"\"\"\n", "test": TEST,
+           "entry_point": f"f{i}"} for i in range(5)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  out = tmp_path / "prompts.jsonl"
+  assert humaneval.main(["--problems", str(path), "--offset", "1", "--limit", "3",
+                         "--write_prompts", str(out)]) == 0
+  assert "wrote 3 prompts (Fake/1 .. Fake/3)" in capsys.readouterr().out
+  from specjax import decode
+  assert decode.read_prompt_file(str(out)) == [r["prompt"] for r in rows[1:4]]
+  assert humaneval.main(["--problems", str(path), "--offset", "5", "--write_prompts",
+                         str(out)]) == 2
+  assert "--offset 5 skips every problem" in capsys.readouterr().err

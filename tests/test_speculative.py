@@ -264,7 +264,7 @@ def test_narrow_verify_passes_give_the_tokens_of_full_width_passes(monkeypatch):
   rule = registry.get("adaptive", tau_g_init=0.5)
 
   def run():
-    jax.clear_caches()                                    # verify_widths is read when tracing
+    speculative.run.clear_cache()                         # verify_widths is read when tracing
     return speculative.generate(model, params, draft_model, draft_params, prompt,
                                 jax.random.PRNGKey(3), rule=rule, gamma=3, max_new_tokens=16,
                                 warp=Warp(), eos_id=None, max_len=40)
@@ -272,7 +272,10 @@ def test_narrow_verify_passes_give_the_tokens_of_full_width_passes(monkeypatch):
   narrow = run()
   st = narrow.stats
   assert int(st.drafted.sum()) < 3 * int((st.blocks - 1).sum())          # short windows
-  monkeypatch.setattr(speculative, "verify_widths", lambda setup: (setup.gamma + 1,))
+  traced = []
+  monkeypatch.setattr(speculative, "verify_widths",
+                      lambda setup: traced.append(setup) or (setup.gamma + 1,))
   full = run()
+  assert traced                                          # the loop was traced again, full width
   np.testing.assert_array_equal(narrow.tokens, full.tokens)
   jax.tree_util.tree_map(np.testing.assert_array_equal, narrow.stats, full.stats)

@@ -18,8 +18,10 @@ def model(checkpoint: str, dtype: str = "float32", quant: str = "",
   ("int8": int8 dense layers, models/quant.py), its dense-kernel layout (`layout`: auto, in_out
   or out_in; auto measures once per machine on CPU: models/layout_choice.py) and optionally
   `tokenizer` or `init_from`."""
-  return ml_collections.ConfigDict(dict(checkpoint=checkpoint, dtype=dtype, layers="auto",
-                                        quant=quant, layout="auto", **fields))
+  section = dict(checkpoint=checkpoint, dtype=dtype, layers="auto", quant=quant, layout="auto",
+                 init_from="")
+  section.update(fields)
+  return ml_collections.ConfigDict(section)
 
 
 def draft(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.ConfigDict:

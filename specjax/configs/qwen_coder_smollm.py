@@ -12,6 +12,9 @@ under $SPECJAX_CACHE, and its overlap is logged at start-up.
     python -m specjax.decode --config qwen_coder_smollm.py --config.rule.name=slrs
     python -m eval.latency --config qwen_coder_smollm.py --gamma 1,2,3,4
 
+SmolLM2 fine-tuned on the target's own code (configs/distill_qwen_coder_smollm.py) drafts with the
+params its run exported: --config.draft.init_from=runs/smollm_seqkd.
+
 rule.name: intersection (token-level intersection, TLI) and union run in the jitted loop with a
 vocabulary map; slem and slrs run the host-driven string-level loop, batch 1. Under greedy
 decoding (the default, temperature 0) every one of them writes the target's own greedy text.

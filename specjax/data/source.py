@@ -10,6 +10,9 @@ Formats (right-padded with `pad_id`, `mask` marks valid target tokens, EOS inclu
            targets = the next `max_target_len` tokens, + EOS if the text ends inside the window.
 * seq2seq: prompt = input tokens cut to `max_prompt_len - 1`, + EOS;
            targets = output tokens cut to `max_target_len - 1`, + EOS.
+* completion: prompt = [BOS] + the last input tokens, `max_prompt_len` in all (a continuation
+           depends on the prompt's end); targets = the first `max_target_len` output tokens, no
+           EOS (a model's text recorded up to a token limit has no end of its own).
 
 Shapes: targets are always [B, max_target_len]; the prompt width is the smallest bucket (a power
 of two >= `min_bucket`, or the cap itself) that holds the batch's longest prompt, so a jitted
@@ -30,6 +33,9 @@ from specjax.data.batch import Batch
 from specjax.models import prompting
 
 
+KINDS = ("lm", "seq2seq", "completion")
+
+
 @dataclasses.dataclass(frozen=True)
 class SourceConfig:
   batch_size: int = 32
@@ -44,8 +50,8 @@ class Source:
   """Batches of one task under one tokenizer; see the module docstring for the formats."""
 
   def __init__(self, task, tokenizer, config: SourceConfig = SourceConfig()):
-    if task.kind not in ("lm", "seq2seq"):
-      raise ValueError(f"task {task.name!r} has kind {task.kind!r}; expected 'lm' or 'seq2seq'")
+    if task.kind not in KINDS:
+      raise ValueError(f"task {task.name!r} has kind {task.kind!r}; expected one of {KINDS}")
     if config.max_target_len < 1 or config.lm_prompt_len < 1 or config.max_prompt_len < 2:
       raise ValueError(f"bad lengths in {config}: need max_target_len >= 1, lm_prompt_len >= 1, "
                        "max_prompt_len >= 2")
@@ -92,6 +98,11 @@ class Source:
       rest = ids[k:]
       tail = rest[:cfg.max_target_len] if len(rest) >= cfg.max_target_len else rest + [tok.eos_id]
       return ids[:k], tail
+    if self.task.kind == "completion":
+      ids = prompting.encode(tok, inp, encoder_decoder=False)
+      head = ids[:int(prompting.has_bos(tok))]                          # the BOS, kept
+      prompt = head + ids[len(head):][-(cfg.max_prompt_len - len(head)):]
+      return prompt, tok.encode(target)[:cfg.max_target_len]
     prompt = prompting.encode(tok, inp, encoder_decoder=True, cap=cfg.max_prompt_len)
     return prompt, tok.encode(target)[:cfg.max_target_len - 1] + [tok.eos_id]
 
@@ -120,7 +131,7 @@ class Source:
     out = []
     for inp, target in examples[:len(examples) if n is None else n]:
       prompt, tail = self.encode_example(inp, target)
-      reference = target if self.task.kind == "seq2seq" else self.tokenizer.decode(tail)
+      reference = self.tokenizer.decode(tail) if self.task.kind == "lm" else target
       out.append((self.tokenizer.decode(prompt), reference))
     return out
 

@@ -1,7 +1,8 @@
 """Text tasks by name: the offline stdlib tasks and the paper's TFDS datasets.
 
 A task is a frozen dataclass with `name`, `kind` ("lm": decoder-only continuation, the LM1B
-setup; "seq2seq": input -> output, the T5 setup), `metric` (a key of `metrics.METRICS`, None for
+setup; "seq2seq": input -> output, the T5 setup; "completion": a decoder-only model's prompt ->
+its continuation), `metric` (a key of `metrics.METRICS`, None for
 LM tasks, which are scored by likelihood) and `examples(split) -> Sequence[(input, target)]`
 (random access; LM targets are ""). `Source` turns a task and a tokenizer into batches.
 
@@ -13,12 +14,21 @@ LM tasks, which are scored by likelihood) and `examples(split) -> Sequence[(inpu
 | xsum, cnn_dailymail | seq2seq | TFDS | ROUGE |
 | wmt14_en_de | seq2seq | TFDS wmt14_translate/de-en, en -> de | BLEU |
 | gsm8k | seq2seq | TFDS huggingface:gsm8k/main | final-answer accuracy |
+| file:PATH | completion | a local file of prompts and the texts written for them | - |
+
+`file:PATH` reads what `python -m specjax.decode --input_file P --output_json PATH` writes (its
+"results": {"prompt", "text", ...} each), or a JSON list or JSON lines of objects with "prompt"
+and "text": a model's own text as training data. Trained with the NLL loss, a draft learns to write what the target wrote
+(sequence-level distillation, which needs no shared vocabulary: configs/distill_qwen_coder_smollm.py).
+Every 20th record is the validation split, the others the train split.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 from typing import Sequence
 
 from specjax.data import stdlib_corpus
@@ -43,17 +53,75 @@ def _stdlib_examples(kind: str, split: str) -> tuple[tuple[str, str], ...]:
   return corpus.sum_split(split)
 
 
+class TaskFileError(ValueError):
+  """A file: task whose file cannot be read as prompt / text records; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileTask:
+  """Prompt -> completion records of a local file (the module docstring's `file:PATH`)."""
+  path: str
+  kind: str = "completion"
+  metric: str | None = None
+  held_out_every: int = 20
+
+  @property
+  def name(self) -> str:
+    return f"file:{self.path}"
+
+  def examples(self, split: str) -> Sequence[tuple[str, str]]:
+    rows = _file_records(self.path)
+    held_out = [i % self.held_out_every == self.held_out_every - 1 for i in range(len(rows))]
+    return tuple(r for r, out in zip(rows, held_out) if out == (split != "train"))
+
+
+@functools.lru_cache(maxsize=None)
+def _file_records(path: str) -> tuple[tuple[str, str], ...]:
+  """(prompt, text) of every record of a decode --output_json report (its "results"), a JSON
+  list or a JSON-lines file."""
+  form = ('the report specjax.decode --output_json writes, a JSON list or JSON lines of objects '
+          'with "prompt" and "text"')
+  try:
+    raw = Path(path).expanduser().read_text(encoding="utf-8")
+  except FileNotFoundError:
+    raise TaskFileError(f"task file:{path}: {path} does not exist (write it with python -m "
+                        f"specjax.decode --input_file PROMPTS --output_json {path})") from None
+  except (IsADirectoryError, UnicodeDecodeError) as err:
+    raise TaskFileError(f"task file:{path}: cannot read it as UTF-8 text ({err}); give {form}") \
+        from None
+  try:
+    whole = json.loads(raw)
+  except json.JSONDecodeError:
+    whole = None                           # JSON lines, or not JSON: its lines say where
+  try:
+    records = [json.loads(line) for line in raw.splitlines() if line.strip()] \
+        if whole is None else whole.get("results", [whole]) if isinstance(whole, dict) else whole
+  except json.JSONDecodeError as err:
+    raise TaskFileError(f"task file:{path} is not JSON ({err}); give {form}") from None
+  if not isinstance(records, list):
+    raise TaskFileError(f"task file:{path} holds no list of records; give {form}")
+  bad = [i for i, r in enumerate(records) if not (isinstance(r, dict) and isinstance(
+      r.get("prompt"), str) and isinstance(r.get("text"), str))]
+  if bad or not records:
+    where = (f"record {bad[0]} has no \"prompt\" and \"text\" strings" if bad
+             else "it holds no records")
+    raise TaskFileError(f"task file:{path}: {where}; give {form}")
+  return tuple((r["prompt"], r["text"]) for r in records)
+
+
 OFFLINE_TASKS = (StdlibTask("stdlib_lm", "lm", None), StdlibTask("stdlib_sum", "seq2seq", "rouge"))
 TASK_NAMES = tuple(t.name for t in OFFLINE_TASKS + PAPER_TASKS)
 
 
 def get_task(name: str, *, data_dir: str | None = None,
              max_examples: int | None = None) -> StdlibTask | TfdsTask:
-  """A task by name; `data_dir` / `max_examples` apply to the TFDS tasks only."""
+  """A task by name (or `file:PATH`); `data_dir` / `max_examples` apply to the TFDS tasks only."""
+  if name.startswith("file:") and name[len("file:"):].strip():
+    return FileTask(name[len("file:"):])
   for task in OFFLINE_TASKS:
     if task.name == name:
       return task
   for task in PAPER_TASKS:
     if task.name == name:
       return dataclasses.replace(task, data_dir=data_dir, max_examples=max_examples)
-  raise ValueError(f"unknown task {name!r}: use one of {TASK_NAMES}")
+  raise ValueError(f"unknown task {name!r}: use one of {TASK_NAMES}, or file:PATH")

@@ -112,6 +112,31 @@ def test_int8_logits_are_the_same_bits_in_a_pass_of_any_width(family, scan, wind
   np.testing.assert_array_equal(np.asarray(wide), np.stack(steps, 1))
 
 
+@cpu_only
+def test_string_level_gives_the_int8_targets_prompt_the_bits_of_autoregressive_decoding():
+  """SLEM's first target pass: the prompt through prefill at autoregressive decoding's padded
+  width, then the candidates, give the logits of autoregressive decoding's prefill and
+  one-position steps bit for bit. Fed as one block through extend (prompt_width=0, as SLEM did
+  before), the prompt's last logits differ, and greedy SLEM over the int8 real pair left the
+  target's own tokens on one of the config's prompts."""
+  from specjax.decoding import string_level
+  model, params = _int8_model("qwen2", False)
+  rng = np.random.RandomState(1)
+  prompt, cands = rng.randint(3, 500, 150).tolist(), rng.randint(3, 500, 5).tolist()
+  width, n = 256, len(cands) + 1                                  # prompting.bucket(150)
+  backend = lambda w: string_level.ModelBackend(model, params, model, params, Warp(),
+                                                jax.random.PRNGKey(0), 300, w)
+  logits, first = backend(width)._sync("t", prompt, cands)
+  last, _, cache = model.prefill(params, Prompt.from_lists([prompt], width), model.init_cache(1, 300))
+  steps = [np.asarray(last[0])]
+  for token in cands:
+    step, _, cache = model.extend(params, jnp.asarray([[token]]), cache)
+    steps.append(np.asarray(step[0, 0]))
+  np.testing.assert_array_equal(np.asarray(logits[first:first + n]), np.stack(steps))
+  block, first = backend(0)._sync("t", prompt, cands)
+  assert not np.array_equal(np.asarray(block[first]), steps[0])
+
+
 # The law of a quantized target over V=4 ids and 3 new tokens, enumerated from its own logits.
 V, MAX_NEW, PROMPT, N_RUNS = 4, 3, [1, 2, 1], 20_000
 

@@ -424,7 +424,8 @@ class StringLevel(Method):
         self.draft.params, self.draft.tokenizer, x_t, x_d, keys[b], method=self.method,
         gamma=s.gamma, max_new_tokens=s.max_new_tokens, warp=s.row_warp(b),
         lookbehind=s.lookbehind,
-        max_depth=self.max_depth, eos_id=self.eos_id, max_len=self.max_len)
+        max_depth=self.max_depth, eos_id=self.eos_id, max_len=self.max_len,
+        prompt_width=int(prompts.target.tokens.shape[1]))
         for b, (x_t, x_d) in enumerate(zip(rows(prompts.target), rows(prompts.draft)))]
     tokens = np.zeros((len(outs), s.max_new_tokens), np.int32)
     for b, o in enumerate(outs):

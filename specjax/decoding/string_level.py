@@ -189,6 +189,7 @@ class ModelBackend:
   warp: sampling.Warp
   key: jax.Array
   max_len: int
+  prompt_width: int = 0       # > 0: the target's prompt is prefilled at this padded width
 
   def __post_init__(self):
     for m in (self.target, self.draft):
@@ -222,6 +223,8 @@ class ModelBackend:
     model, params = (self.target, self.target_params) if which == "t" else \
         (self.draft, self.draft_params)
     seen, cache = (self.t_seen, self.t_cache) if which == "t" else (self.d_seen, self.d_cache)
+    if which == "t" and not seen and self.prompt_width:
+      return self._prefill_target(stream, extra)
     c = min(_common(seen, stream), len(stream) - 1)
     fed = list(stream[c:]) + list(extra)
     width = prompting.bucket(len(fed), minimum=8)
@@ -235,6 +238,30 @@ class ModelBackend:
     else:
       self.d_cache, self.d_seen = cache, list(stream) + list(extra)
     return logits, len(stream) - 1 - c
+
+  def _prefill_target(self, stream: list[int], extra: list[int]):
+    """`_sync` of the target's first call: the prompt through `prefill` at the width that
+    autoregressive decoding gives it, then `extra` fed after it. A model whose passes depend on
+    their width (models.transformer.Arch.width_invariant covers every pass but a prefill) then
+    holds the prompt's cache entries and logits bit for bit as autoregressive decoding does."""
+    width = max(self.prompt_width, len(stream))
+    kv_cache.check_capacity(width, self.max_len, "string-level prompt")
+    prompt = prompting.Prompt.from_lists([stream], width, 0)
+    first, _, cache = self.target.prefill(self.target_params, prompt, self.t_cache)   # [1, V]
+    self._flag(TARGET, sampling.nonfinite_rows(first)[0])
+    self.t_cache, self.t_seen = cache, list(stream)
+    if not extra:
+      return first, 0
+    fed = list(extra)
+    width = prompting.bucket(len(fed), minimum=8)
+    kv_cache.check_capacity(len(stream) + width, self.max_len, "string-level stream + padded "
+                            "block (pass a larger max_len)")
+    feed = jnp.asarray([fed + [0] * (width - len(fed))], jnp.int32)
+    logits, cache, bad = _feed(self.target, self.target_params, cache, feed,
+                               jnp.int32(len(stream)), jnp.int32(len(fed)))
+    self._flag(TARGET, bad)
+    self.t_cache, self.t_seen = cache, list(stream) + fed
+    return jnp.concatenate([first, logits]), 0
 
   def draft_propose(self, x_d, k, g):
     logits, last = self._sync("d", x_d)
@@ -490,8 +517,8 @@ def generate(target, target_params, target_tok, draft, draft_params, draft_tok, 
              x_d: list[int], key: jax.Array, *, method: str = "slem", gamma: int = 4,
              max_new_tokens: int = 32,
              warp: sampling.Warp = sampling.Warp(), lookbehind: int = 10, max_depth: int = 3,
-             eos_id: int | Sequence[int] | None, max_len: int | None = None
-             ) -> StringGeneration:
+             eos_id: int | Sequence[int] | None, max_len: int | None = None,
+             prompt_width: int = 0) -> StringGeneration:
   """SLEM or SLRS generation of up to max_new_tokens target tokens after one prompt (batch 1),
   given as the target's and the draft's token lists (`models.prompting.encode` of the text).
 
@@ -499,6 +526,9 @@ def generate(target, target_params, target_tok, draft, draft_params, draft_tok, 
   emitted token with the autoregressive key of its position, so it equals
   autoregressive.generate with the same key (greedy at temperature 0). SLRS (max_depth: the drafting lookahead) uses a host RNG seeded from
   key. max_len: both KV caches' size (default: generous for this prompt and max_new_tokens).
+  prompt_width > 0: the target prefills x_t padded to this width, as autoregressive decoding of
+  the same Prompt does, so that a width-dependent prefill gives both the same bits (0: x_t is
+  fed like any other block).
   Raises NonFiniteLogitsError if either model's logits held NaN / inf.
   """
   if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
@@ -507,7 +537,8 @@ def generate(target, target_params, target_tok, draft, draft_params, draft_tok, 
   x_t, x_d = [int(t) for t in x_t], [int(t) for t in x_d]
   max_len = max_len or default_capacity((target, draft), max(len(x_t), len(x_d)),
                                          max_new_tokens, gamma)
-  backend = ModelBackend(target, target_params, draft, draft_params, warp, key, max_len)
+  backend = ModelBackend(target, target_params, draft, draft_params, warp, key, max_len,
+                         prompt_width)
   seed = int(jax.random.randint(jax.random.fold_in(key, 0x51), (), 0, 2**31 - 1))
   s = run(backend, target_tok, draft_tok, x_t, x_d, method=method, gamma=gamma,
           max_new_tokens=max_new_tokens, eos_id=eos_id, lookbehind=lookbehind,

@@ -264,7 +264,7 @@ def test_narrow_verify_passes_give_the_tokens_of_full_width_passes(monkeypatch):
   rule = registry.get("adaptive", tau_g_init=0.5)
 
   def run():
-    speculative.run.clear_cache()                         # verify_widths is read when tracing
+    jax.clear_caches()                                    # verify_widths is read when tracing
     return speculative.generate(model, params, draft_model, draft_params, prompt,
                                 jax.random.PRNGKey(3), rule=rule, gamma=3, max_new_tokens=16,
                                 warp=Warp(), eos_id=None, max_len=40)

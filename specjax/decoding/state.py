@@ -291,12 +291,6 @@ class LoopJit:
   def _cache_size(self) -> int:
     return self._default._cache_size() + self._cpu._cache_size()
 
-  def clear_cache(self) -> None:
-    """Forget this loop's compiled programs (as jax.jit's clear_cache): the next call traces
-    again, and reads what tracing reads (module settings) afresh."""
-    self._default.clear_cache()
-    self._cpu.clear_cache()
-
 
 def loop_jit(**jit_kwargs) -> Callable[[Callable], LoopJit]:
   """Decorator: LoopJit(fun, **jit_kwargs) (static_argnums, donate_argnums as jax.jit)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -34,6 +35,36 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not i
 def pytest_unconfigure(config):
   if _OWN_COMPILE_CACHE and "PYTEST_XDIST_WORKER" not in os.environ:
     shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
+
+
+def _memory_maps() -> int:
+  try:
+    with open(f"/proc/{os.getpid()}/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:                                   # not Linux: no such limit to watch
+    return 0
+
+
+def _max_memory_maps() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_programs_released():
+  """Each program XLA:CPU compiles stays mapped (its code and data, a few memory maps each)
+  for as long as JAX's caches hold it, and a test worker compiles thousands. Past the kernel's
+  vm.max_map_count (65,530 by default) the next mapping fails inside XLA and the worker dies
+  with a segfault or an abort in a compile. After a module, a worker past half the limit drops
+  its compiled programs (later ones reload from the persistent compilation cache)."""
+  yield
+  limit = _max_memory_maps()
+  if limit and _memory_maps() > limit // 2:
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,17 +1,20 @@
 """Several decoding methods side by side on the same prompts, in one run: specjax's target alone
 and speculative decoding under each rule (with the config's draft, or another one), and, with
 --transformers, transformers' target alone and its assisted generation with the config's draft
-(universal assisted generation, `assistant_tokenizer=`, when the draft has another tokenizer).
+(universal assisted generation, `assistant_tokenizer=`, when the draft has another tokenizer),
+and with --llama_cpp BIN_DIR, llama.cpp's target alone and its speculative decoding on the same
+GGUF files (eval.llamacpp: how to build it; at most the config's gamma drafted tokens a block).
 
     python -m eval.versus --config qwen_coder_smollm.py \
         --methods target,intersection,union,slem,slrs,greedy@pypi:qwen-coder/draft --transformers
     python -m eval.versus --config tiny_hetero.py --methods target,intersection --num_prompts 2
+    python -m eval.versus --config qwen_coder.py --methods target,greedy --llama_cpp BIN_DIR
 
 --methods: `target`, a rule or string-level method with its fields (`NAME[:FIELD=VALUE...]`, on
 the config's draft), or `NAME@CHECKPOINT` (that rule with another draft, loaded once; a
 training workdir names the config's draft with the params that run exported). Every
 generation is batch 1 and greedy unless the config says otherwise; all of them, transformers'
-included, are timed in turn on each prompt after their compilation or warm-up (median of
+and llama.cpp's included, are timed in turn on each prompt after their compilation or warm-up (median of
 --repeats; eval.latency.time_decoding), so that machine drift hits all alike. Per method:
 ms/token, speedup over the first method of its library, alpha, tau, and whether its tokens equal
 the target alone's (under greedy decoding a lossless rule must: transformers' rows compare with
@@ -21,6 +24,7 @@ transformers' target). JSON records and a markdown table (--output_json, --outpu
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +32,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from eval import flags
+from eval import flags, llamacpp
 from eval.humaneval import parse_methods
 from eval.latency import prompts_for, time_decoding
 from specjax.app import builders, cli, methods, outputs, resolve
@@ -42,6 +46,9 @@ def parse_args(argv):
                  help="comma-separated: target, RULE[:FIELD=VALUE...], RULE@CHECKPOINT")
   p.add_argument("--transformers", action="store_true",
                  help="also transformers' target alone and its assisted generation")
+  p.add_argument("--llama_cpp", metavar="BIN_DIR",
+                 help="also llama.cpp's target alone and its speculative decoding (built as "
+                      "eval/llamacpp.py says; its programs' directory)")
   p.add_argument("--num_prompts", type=int, default=3)
   p.add_argument("--humaneval", nargs="?", const="", default=None, metavar="PROBLEMS",
                  help="the first --num_prompts HumanEval prompts instead of the config's (the "
@@ -153,7 +160,8 @@ def records(decoders: dict, runs: dict) -> list[dict]:
   tokens equal that first decoder's."""
   out, firsts = [], {}
   for label, method in decoders.items():
-    library = "transformers" if isinstance(method, HFDecoder) else "specjax"
+    library = label.partition(":")[0] if isinstance(method, (HFDecoder, llamacpp.LlamaCppDecoder)
+                                             ) else "specjax"
     run = runs[label]
     first = firsts.setdefault(library, label)
     stats = run["stats"]
@@ -187,11 +195,16 @@ def main(argv=None) -> int:
     items = [t.strip() for t in args.methods.split(",") if t.strip()]
     config = load_config(args.config, overrides)
     prompts = prompts_for(config, args)
+    peer = llamacpp.Setup.of(args.llama_cpp, config) if args.llama_cpp else None
     decoders = build(args.config, overrides, items)
     if args.transformers:
       first = next(iter(decoders.values()))
       decoders.update(transformers_decoders(config, builders.decode_settings(config)
                                             .max_new_tokens, first.target.tokenizer, prompts))
+    if peer:               # greedy as specjax's rows, at most gamma drafted tokens, every core
+      settings = builders.decode_settings(config)
+      decoders.update(peer.decoders(next(iter(decoders.values())).target.tokenizer,
+                                    settings.max_new_tokens, settings.gamma, os.cpu_count() or 1))
     key = jax.random.PRNGKey(0)
     start = time.perf_counter()
     say = lambda msg: print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr,

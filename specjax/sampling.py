@@ -163,6 +163,7 @@ def _top_k_mask(z: jax.Array, k, k_max: int) -> jax.Array:
   largest (lax.top_k's static k). k >= V masks nothing: the k-th largest is then clipped to the
   smallest entry. The k-th largest is the same float as lax.top_k(z, k)'s last, so the law
   equals a static-k mask's exactly."""
+  z = jax.lax.optimization_barrier(z)      # one copy: the compare below reads top_k's own bits
   top = jax.lax.top_k(z, min(k_max, z.shape[-1]))[0]                   # [..., k_max] descending
   index = jnp.clip(jnp.asarray(k, jnp.int32) - 1, 0, top.shape[-1] - 1)
   index = jnp.broadcast_to(index, top.shape[:-1] + (1,))                # [..., 1]
@@ -179,8 +180,12 @@ def _one_hot_log_probs(logits: jax.Array) -> jax.Array:
 def _top_p_mask(z: jax.Array, top_p) -> jax.Array:
   """Keep the smallest set of most likely tokens whose mass reaches top_p (one number, or shaped
   to broadcast over z's leading axes; edge ties kept)."""
-  logp = jax.nn.log_softmax(z, axis=-1)
-  desc = -jnp.sort(-logp, axis=-1)                                       # [..., V] descending
+  # The cutoff is one of logp's own entries, compared with them by value, so logp must be computed
+  # once: XLA may compute it again for the compare, in another fusion with another rounding, and
+  # the cutoff token itself then falls out of the kept set. (On an H200 a per-row top_p kept one
+  # token fewer than the same warp alone: the suspected cause; not yet rerun there.)
+  logp = jax.lax.optimization_barrier(jax.nn.log_softmax(z, axis=-1))
+  desc = jnp.flip(jnp.sort(logp, axis=-1), axis=-1)                      # [..., V] descending
   before = jnp.cumsum(jnp.exp(desc), axis=-1) - jnp.exp(desc)           # mass strictly above
   kept = jnp.sum(before < top_p, axis=-1, keepdims=True)                # >= 1
   cutoff = jnp.take_along_axis(desc, kept - 1, axis=-1)                 # [..., 1]

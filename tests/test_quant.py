@@ -217,6 +217,7 @@ def test_auto_picks_int8_where_it_was_measured_faster(backend, flags, quantizabl
   assert quant_choice == want and why
 
 
+@cpu_only      # int8 is refused off the CPU: quant.choose's "gpu" case above
 def test_load_resolves_auto_per_machine_and_says_why(monkeypatch, tmp_path, caplog):
   import logging
   import tiny_checkpoints  # tests/ is on sys.path under pytest

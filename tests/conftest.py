@@ -90,6 +90,22 @@ def dense_layout_pinned():
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_pair_built_in_a_test():
+  """Building the embedded pair trains three models (about 15 minutes on 2 cores): a test that
+  reaches it in-process (a load it did not stub) would hang the suite on a machine without the
+  pair in its cache, and pass quickly on one that has it. Fail at once instead. The README's
+  commands build the pair at a small step scale in subprocesses (tests/test_readme.py)."""
+  from specjax.app import zoo
+
+  def refuse(name, *args, **kwargs):
+    raise RuntimeError(f"a test reached the build of the embedded pair {name!r} in-process: stub "
+                       f"the load (and resolve.checkpoint_dir) it goes through")
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(zoo, "build", refuse)
+    yield
+
+
 def pytest_runtest_logreport(report):
   """With SPECJAX_FAILURES=FILE, each failure's id and traceback is appended to FILE as it
   happens, so that a run cut short by a time limit (tools/gpu_check.sh) still names them."""

@@ -128,6 +128,7 @@ def test_refusals_name_the_problem():
 def test_the_config_flag_names_itself(monkeypatch):
   from specjax.app import methods
   monkeypatch.setattr(methods, "load_placed", lambda *a, **k: _draft())
+  monkeypatch.setattr(methods.resolve, "checkpoint_dir", lambda spec: None)   # no fetch or build
   config = load_config("tiny.py", ["--config.draft.vocab_top_k=99"])
   with pytest.raises(ConfigError, match="--config.draft.vocab_top_k=99: choose a whole number"):
     speculative(config)

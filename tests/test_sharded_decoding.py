@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from specjax import sharding
+from specjax import sharding, testing
 from specjax.app import cli, methods
 from specjax.app.config import ConfigError
 from specjax.decoding import sharded
@@ -284,7 +284,7 @@ CHILD = textwrap.dedent("""
 
 
 def child_env(devices: int) -> dict:
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, XLA_FLAGS=testing.with_devices(devices),
              JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   env.pop("SPECJAX_DEBUG", None)
   return env

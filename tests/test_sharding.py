@@ -124,7 +124,7 @@ CHILD = textwrap.dedent("""
 @pytest.mark.slow
 def test_sharded_train_step_equals_single_device():
   """Meshes 4x2 and 8x1 over 8 simulated CPU devices give the 1-device step (1e-5)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=testing.with_devices(8),
              JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   proc = subprocess.run([sys.executable, "-c", CHILD, "3"], env=env, capture_output=True, text=True,
                         timeout=300, cwd=ROOT)

@@ -224,9 +224,11 @@ def test_unstacked_layout_equals_stacked(gated, gated_unrolled, tmp_path):
   np.testing.assert_array_equal(loop_params["decoder"]["layers_2"]["cross_attn"]["key"]["kernel"],
                                 params["decoder"]["layers"]["cross_attn"]["key"]["kernel"][2])
   jax.tree_util.tree_map(np.testing.assert_array_equal, layers.stack(loop_params), params)
-  key = jax.random.key(4)                         # init: the same values in either layout
-  jax.tree_util.tree_map(np.testing.assert_array_equal, loop_model.init_params(key),
-                         layers.unstack(model.init_params(key)))
+  # init: the same values in either layout (to an ulp: the two programs' scalings of one normal
+  # draw can fuse differently, as under the test suite's XLA flags)
+  key = jax.random.key(4)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=0),
+                         loop_model.init_params(key), layers.unstack(model.init_params(key)))
   tokens = jnp.asarray(np.random.RandomState(5).randint(2, 64, size=(3, 4)))
   first, _, cache = model.prefill(params, Prompt.from_lists(ROWS), model.init_cache(3, 8, 6))
   loop_first, _, loop_cache = loop_model.prefill(loop_params, Prompt.from_lists(ROWS),

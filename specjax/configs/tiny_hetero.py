@@ -19,7 +19,7 @@ from specjax.configs import common
 def get_config():
   c = ml_collections.ConfigDict()
   c.target = common.model("builtin:tiny/target", tokenizer="stdlib:bpe:2000")
-  c.draft = common.draft("builtin:tiny/draft_other_vocab", tokenizer="stdlib:unigram:8000")
+  c.draft = common.draft("builtin:tiny/draft_other_vocab")   # its own tokenizer (spm.model)
   c.rule = common.rule("intersection")      # min_overlap: 0.05 by default
   # A target token can take several draft tokens (5 for this pair) and the draft's cache has
   # 256 positions: 64 new tokens could need 5 * 64 + gamma of them before the prompt.

@@ -341,9 +341,7 @@ def main(argv=None) -> int:
     run = Run(prompt_len=args.prompt_len, new_tokens=args.new_tokens, gammas=gammas,
               alpha=args.alpha, repeats=args.repeats, probe_steps=args.probe_steps,
               profile=args.profile, precision=args.precision, layers=args.layers)
-    t0 = time.perf_counter()
-    say = lambda msg: print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", file=sys.stderr,
-                            flush=True)
+    say = timing.progress()
     peak_text = ("unknown (no roofline)" if peak is None else
                  f"{peak[0] / 1e12:g} TB/s, {peak[1] / 1e12:g} TFLOP/s")
     say(f"{env['device']} ({env['platform']}), jax {env['jax']}, commit {env['commit']}; "

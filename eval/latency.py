@@ -102,7 +102,10 @@ def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = Tru
   return {**acc, **{name: statistics.median(t) for name, t in probe_s.items()}}
 
 
-def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: int = 32) -> dict:
+def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: int = 32,
+            say=None) -> dict:
+  """One gamma: target alone and `dec` on every prompt, alternating, and the cost probes (c, v).
+  say(message): progress (a line per prompt). Returns the record (COLUMNS and more)."""
   encoded = dec.prepare(prompts[:1])
   gamma = dec.settings.gamma
   target, draft = dec.target, dec.draft_model      # None: prompt lookup, no draft pass
@@ -115,7 +118,7 @@ def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: i
                                          1, width + dec.settings.max_new_tokens + gamma + 1,
                                          dec.settings.max_new_tokens // 2, steps)
   runs = time_decoding({"ar": dec.target_only(), "sd": dec}, prompts,
-                       jax.random.PRNGKey(seed), repeats, probes=probes)
+                       jax.random.PRNGKey(seed), repeats, probes=probes, say=say)
   ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]
   t1, tv, d1 = (runs.get(name, 0.0) / steps for name in ("t1", f"t{gamma + 1}", "d1"))
   c, v = d1 / t1, tv / t1
@@ -174,10 +177,12 @@ def main(argv=None) -> int:
       raise ValueError(f"eval.latency compares target-only and speculative decoding; the config "
                        f"runs {dec.label}: {fix}")
     prompts = prompts_for(config, args)
-    records = []
+    records, say = [], timing.progress()
     for g in gammas or [dec.settings.gamma]:
+      say(f"gamma {g}: the target alone and {dec.label} on {len(prompts)} prompts, "
+          f"{args.repeats} repeats each after a first (compiling) run ...")
       records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
-                             builders.decode_settings(config).seed, args.probe_steps))
+                             builders.decode_settings(config).seed, args.probe_steps, say))
       if not runner.reports():
         continue
       lines = table(records[-1:]).splitlines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 import time
 
 import jax
@@ -21,6 +22,14 @@ def once(fn):
   start = time.perf_counter()
   result = jax.block_until_ready(fn())
   return result, getattr(result, "seconds", time.perf_counter() - start)
+
+
+def progress():
+  """A `say(message)` that prints to stderr with the seconds since this call: an eval tool's
+  progress lines from its first second."""
+  start = time.perf_counter()
+  return lambda msg: print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr,
+                           flush=True)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "width", "steps"))

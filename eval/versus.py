@@ -26,13 +26,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from eval import flags, llamacpp
+from eval import flags, llamacpp, timing
 from eval.humaneval import parse_methods
 from eval.latency import prompts_for, time_decoding
 from specjax.app import builders, cli, methods, outputs, resolve
@@ -205,16 +204,14 @@ def main(argv=None) -> int:
       decoders.update(peer.decoders(ours, settings.max_new_tokens, settings.gamma,
                                     os.cpu_count() or 1))
     key = jax.random.PRNGKey(0)
-    start = time.perf_counter()
-    say = lambda msg: print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr,
-                            flush=True)
+    say = timing.progress()
     say(f"timing {len(decoders)} methods on {len(prompts)} prompts, {args.repeats} repeats "
         f"each after a first (compiling) run ...")
     runs = time_decoding(decoders, prompts, key, args.repeats, first_token=False, say=say)
     rows = records(decoders, runs)
     print(table(rows), flush=True)
-    print(f"eval.versus: {len(decoders)} methods x {len(prompts)} prompts x {args.repeats} "
-          f"repeats in {time.perf_counter() - start:.0f}s", file=sys.stderr)
+    say(f"eval.versus: {len(decoders)} methods x {len(prompts)} prompts x {args.repeats} "
+        f"repeats done")
     if out:
       outputs.write_json(out, dict(config=args.config, overrides=overrides, records=rows,
                                    inputs=input_paths(args.config, config),

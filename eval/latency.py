@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     prompts = prompts_for(config, args)
     records, say = [], timing.progress()
     for g in gammas or [dec.settings.gamma]:
-      say(f"gamma {g}: the target alone and {dec.label} on {len(prompts)} prompts, "
+      say(f"gamma {g}: the target alone and speculative decoding on {len(prompts)} prompts, "
           f"{args.repeats} repeats each after a first (compiling) run ...")
       records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
                              builders.decode_settings(config).seed, args.probe_steps, say))

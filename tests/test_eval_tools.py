@@ -94,7 +94,7 @@ def test_latency_writes_a_strict_list_per_gamma_and_keeps_done_gammas(tmp_path, 
   monkeypatch.setattr(latency.runner, "eval_prompts", lambda config, n: ["ab"])
   monkeypatch.setattr(latency.builders, "decode_settings", lambda config: builders.DecodeSettings())
 
-  def measure(dec, prompts, repeats, seed, steps):
+  def measure(dec, prompts, repeats, seed, steps, say=None):
     if dec.settings.gamma == 5:
       raise ValueError("gamma 5 failed")
     return _record(dec.settings.gamma)

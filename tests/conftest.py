@@ -13,8 +13,9 @@ import pytest
 # XLA:CPU spends most of a test's time compiling (each test builds its own small loops): in
 # LLVM's optimisation passes, and in the fusion emitters (XLA:CPU's newer code generator for
 # fused loops; the older elemental emitter compiles a loop in half the time). Both change how
-# fast the code runs, not what it computes. The test suite runs without them on the CPU: about
-# 45% less wall time. Set before the backend starts (it reads XLA_FLAGS once); subprocesses
+# fast the code runs, and together at most the last bit of a float (tests that compare two
+# programs bit for bit say so). The test suite runs without them on the CPU: about 45% less
+# wall time. Set before the backend starts (it reads XLA_FLAGS once); subprocesses
 # inherit it. SPECJAX_TEST_LLVM_OPT=1 keeps XLA's defaults.
 if os.environ.get("JAX_PLATFORMS") == "cpu" and not os.environ.get("SPECJAX_TEST_LLVM_OPT"):
   os.environ["XLA_FLAGS"] = " ".join(filter(None, [

@@ -120,18 +120,37 @@ def lump_top_k(p_logits: jax.Array, q_logits: jax.Array, k: int) -> tuple[jax.Ar
   Example: p = (.5, .3, .15, .05), q = (.25, .25, .1, .4), k = 2 -> p~ = (.5, .3, .2),
   q~ = (.25, .25, .5). k >= V leaves an empty tail bin (probability 0), i.e. the full divergence.
   """
-  lp, lq = log_probs(p_logits), log_probs(q_logits)
-  vocab = lp.shape[-1]
-  k = min(int(k), vocab)
-  _, ids = jax.lax.top_k(lp, k)                                          # [..., k]
-  head_p = jnp.take_along_axis(lp, ids, axis=-1)
-  head_q = jnp.take_along_axis(lq, ids, axis=-1)
-  flat_ids = ids.reshape(-1, k)
-  in_top = jax.vmap(lambda i: jnp.zeros((vocab,), bool).at[i].set(True))(flat_ids)
-  in_top = in_top.reshape(lp.shape)                                      # [..., V]
-  tail_p = jax.nn.logsumexp(jnp.where(in_top, -jnp.inf, lp), axis=-1, keepdims=True)
-  tail_q = jax.nn.logsumexp(jnp.where(in_top, -jnp.inf, lq), axis=-1, keepdims=True)
-  return jnp.concatenate([head_p, tail_p], -1), jnp.concatenate([head_q, tail_q], -1)
+  lp_lumped, ids = top_k_lumped(p_logits, k)
+  return lp_lumped, lump_at(q_logits, ids)
+
+
+def top_k_lumped(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """logits [..., V] -> (log-probs [..., k+1] of the top-k ids then the rest lumped, the ids
+  [..., k] int32), k clipped to V. What a distribution's top-k needs to be stored: with q over the
+  same V, `lump_at(q, ids)` gives q's side of the same bins."""
+  lp = log_probs(logits)
+  k = min(int(k), lp.shape[-1])
+  head, ids = jax.lax.top_k(lp, k)                                        # [..., k]
+  tail = jax.nn.logsumexp(jnp.where(_members(ids, lp.shape), -jnp.inf, lp), axis=-1,
+                          keepdims=True)
+  return jnp.concatenate([head, tail], -1), ids.astype(jnp.int32)
+
+
+def lump_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
+  """logits [..., V], ids [..., k] (distinct per row) -> log-probs [..., k+1]: the ids' log-probs,
+  then the rest lumped into one bin (-inf when the ids cover V)."""
+  lp = log_probs(logits)
+  head = jnp.take_along_axis(lp, ids, axis=-1)
+  tail = jax.nn.logsumexp(jnp.where(_members(ids, lp.shape), -jnp.inf, lp), axis=-1,
+                          keepdims=True)
+  return jnp.concatenate([head, tail], -1)
+
+
+def _members(ids: jax.Array, shape: tuple) -> jax.Array:
+  """ids [..., k] -> [..., V] bool: True at each row's ids."""
+  k, vocab = ids.shape[-1], shape[-1]
+  flat = jax.vmap(lambda i: jnp.zeros((vocab,), bool).at[i].set(True))(ids.reshape(-1, k))
+  return flat.reshape(shape)
 
 
 Divergence = Callable[[jax.Array, jax.Array], jax.Array]

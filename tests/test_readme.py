@@ -259,6 +259,18 @@ def check_metrics(workdir: str, steps: int):
   return check
 
 
+def check_cache(workdir: str, batches: int):
+  """The run trained, and its teacher cache holds `batches` batches (a 4-step run builds them
+  all before its first step)."""
+  def check(done: Done) -> None:
+    check_metrics(workdir, 4)(done)
+    cached = list((done.cwd / workdir / "teacher_cache").glob("batch_*.safetensors"))
+    assert len(cached) == batches, cached
+    assert re.search(rf"teacher cache: {batches} / {batches} batches", done.proc.stderr), \
+        done.proc.stderr
+  return check
+
+
 def check_verifier(done: Done) -> None:
   printed = json.loads(done.out[done.out.index("{"):])
   saved = done.json("runs/sprinter_tiny/metrics.json")
@@ -453,6 +465,9 @@ COMMANDS: dict[str, Run | Skip] = {
     "--config.draft.checkpoint=runs/head_tiny": Run(
         check_stats, TINY, cost=6,
         after="python -m train.distill --config head_tiny.py --workdir runs/head_tiny"),
+    "python -m train.distill --config head_tiny.py --workdir runs/head_tiny_cached "
+    "--config.distill.cache_batches=8": Run(
+        check_cache("runs/head_tiny_cached", 8), HEAD_TRAIN, cost=6),
     "python -m train.distill --config distill_t5_xl_small.py --workdir /mnt/bucket/run": Skip(
         "T5 XL and Small on a TPU v4 pod (a 16 x 4 mesh)",
         "the train.distill command above on distill_tiny.py (the same trainer); "

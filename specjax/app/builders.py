@@ -249,6 +249,7 @@ def train_config(config, pretrain: bool = False) -> TrainConfig:
                   lambda2=d.get("lambda2", 1.0))
   values.update(beta=d.get("beta", 0.5), temperature=d.get("temperature", 1.0),
                 student=d.get("student", "draft"))
+  values.update({k: d[k] for k in ("cache_batches", "cache_top_k", "cache_dir") if k in d})
   return typed(TrainConfig, values, "train")
 
 

@@ -152,6 +152,12 @@ def run_record(config, pretrain: bool) -> dict:
     sections, fields = ("target", "draft", "data", "distill"), {}
   for name in sections:
     fields.update({f"{name}.{k}": v for k, v in builders.section(config, name).items()})
+  # The teacher cache's place is not part of the run; its settings are only when it is on (a
+  # workdir recorded before the cache existed resumes as it was).
+  fields.pop("distill.cache_dir", None)
+  if not fields.get("distill.cache_batches"):
+    fields.pop("distill.cache_batches", None)
+    fields.pop("distill.cache_top_k", None)
   record = {"job": "train.pretrain" if pretrain else "train.distill", "fields": fields}
   return json.loads(json.dumps(outputs.strict(record), default=str))
 

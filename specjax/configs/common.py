@@ -79,7 +79,7 @@ def training(**overrides) -> ml_collections.ConfigDict:
 
 def distill(**overrides) -> ml_collections.ConfigDict:
   fields = dict(recipe="", loss="fkl", beta=0.5, lambda1=0.0, lambda2=1.0, temperature=1.0,
-                student="draft")
+                student="draft", cache_batches=0, cache_top_k=64, cache_dir="")
   fields.update(overrides)
   return ml_collections.ConfigDict(fields)
 

@@ -11,6 +11,13 @@ default). Draft step >= 2 reads the head's own f, which differs from h; the head
 with uniform noise on its input features (EAGLE-1's remedy, one forward per step), not with
 EAGLE-3's multi-step unrolling (k forwards per step), to keep a CPU step cheap. The target's
 features and logits are computed under stop_gradient: only the head's params are trained.
+
+The target's outputs (`TeacherOutputs`) come from its pass in the step, or from a cache written
+once (distill/features.py) that keeps its features and its top-k log-probs with the rest of the
+vocabulary lumped into one bin: the divergence is then taken over those k+1 bins, the head's
+distribution lumped the same way (`divergences.lump_at`). That is the divergence of the two
+distributions seen through the partition, a lower bound on the full one (data processing),
+equal to it when the top-k ids hold all of the target's mass.
 """
 
 from __future__ import annotations
@@ -18,12 +25,14 @@ from __future__ import annotations
 import functools
 from typing import Iterable
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
+from specjax import divergences
 from specjax.distill import losses
-from specjax.models import draft_head
+from specjax.models import draft_head, score
 
 
 def smooth_l1(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -35,24 +44,56 @@ NOISE = 0.1            # the width of the uniform noise on the head's input feat
 FEATURE_WEIGHT = 0.1   # the regression's weight beside the divergence
 
 
-def head_loss(head_params, head: draft_head.DraftHead, target_params, t_logits: jax.Array,
-              t_hidden: jax.Array, targets: jax.Array, mask: jax.Array, key: jax.Array, *,
-              loss: losses.Loss, feature_weight: float = FEATURE_WEIGHT, noise: float = NOISE):
-  """The head's loss on one batch of the target's outputs: t_logits [B, L, V] (position i
-  predicts targets[i]) and t_hidden [B, L, D] (the feature that predicted it), targets [B, L],
-  mask [B, L] -> (scalar loss, metrics). The head reads (t_hidden[i], targets[i]) and is scored
-  against t_logits[i+1] (loss: a distill/losses.py Loss) and t_hidden[i+1] (smooth L1)."""
-  t_logits, t_hidden = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(t_hidden)
+@flax.struct.dataclass(kw_only=True)
+class TeacherOutputs:
+  """The target's outputs over a batch's targets [B, L]: position i is the target's step that
+  predicted targets[i]. hidden [B, L, D]: its feature there (after the final norm). logp: its
+  logits [B, L, V], or with `ids` [B, L, k] its log-probs over k+1 bins [B, L, k+1] (those ids,
+  then the rest of the vocabulary lumped: `divergences.top_k_lumped`)."""
+  hidden: jax.Array
+  logp: jax.Array
+  ids: jax.Array | None = None
+
+  def head_side(self, q_logits: jax.Array) -> jax.Array:
+    """The head's logits [B, L-1, V] at positions 1.. -> what the divergence compares with
+    logp[:, 1:]: the logits themselves, or lumped over the same bins [B, L-1, k+1]."""
+    return q_logits if self.ids is None else divergences.lump_at(q_logits, self.ids[:, 1:])
+
+  def top1(self) -> jax.Array:
+    """[B, L] int32: the target's most likely next token at each position."""
+    return jnp.argmax(self.logp, -1) if self.ids is None else self.ids[..., 0]
+
+
+def teacher_outputs(target, target_params, batch, top_k: int = 0) -> TeacherOutputs:
+  """The target's pass over a Batch (prompt, targets [B, L]) -> TeacherOutputs, with full
+  logits (top_k 0) or its top_k log-probs and the rest lumped (what a cache stores)."""
+  logits, hidden = jax.lax.stop_gradient(score(target, target_params, batch.prompt,
+                                               batch.targets))                # [B, L, V / D]
+  if not top_k:
+    return TeacherOutputs(hidden=hidden, logp=logits)
+  logp, ids = divergences.top_k_lumped(logits, top_k)
+  return TeacherOutputs(hidden=hidden, logp=logp, ids=ids)
+
+
+def head_loss(head_params, head: draft_head.DraftHead, target_params, teacher: TeacherOutputs,
+              targets: jax.Array, mask: jax.Array, key: jax.Array, *, loss: losses.Loss,
+              feature_weight: float = FEATURE_WEIGHT, noise: float = NOISE):
+  """The head's loss on one batch of the target's outputs (`teacher`, over targets [B, L] with
+  mask [B, L]) -> (scalar loss, metrics). The head reads (hidden[i], targets[i]) and is scored
+  against the target's distribution at i+1 (loss: a distill/losses.py Loss) and hidden[i+1]
+  (smooth L1)."""
+  teacher = jax.lax.stop_gradient(teacher)
   batch, length = targets.shape
-  features = t_hidden[:, :-1]
+  features = teacher.hidden[:, :-1]
   features = features + noise * jax.random.uniform(key, features.shape, features.dtype, -0.5, 0.5)
   params = draft_head.with_target(head_params, target_params)
   q_logits, f, _ = head.extend(params, features, targets[:, :-1],
                                head.init_cache(batch, length - 1))          # [B, L-1, V / D]
   pair = (mask[:, 1:] * mask[:, :-1]).astype(jnp.float32)             # [B, L-1] both real
-  regression = losses.sequence_mean(smooth_l1(f, t_hidden[:, 1:]), pair)              # [B]
-  div = loss.per_sequence(q_logits, t_logits[:, 1:], targets[:, 1:], pair)            # [B]
-  agree = jnp.argmax(q_logits, -1) == jnp.argmax(t_logits[:, 1:], -1)
+  regression = losses.sequence_mean(smooth_l1(f, teacher.hidden[:, 1:]), pair)        # [B]
+  div = loss.per_sequence(teacher.head_side(q_logits), teacher.logp[:, 1:], targets[:, 1:],
+                          pair)                                                         # [B]
+  agree = jnp.argmax(q_logits, -1) == teacher.top1()[:, 1:]
   top1 = jnp.sum(agree * pair) / jnp.maximum(jnp.sum(pair), 1.0)
   value = jnp.mean(feature_weight * regression + div)
   return value, {"regression": jnp.mean(regression), "divergence": jnp.mean(div), "top1": top1}
@@ -83,8 +124,9 @@ def _step(head, target, optimizer, params, opt_state, target_params, tokens, mas
   # Position t of the target's pass over tokens predicts tokens[t+1] from its feature h_t.
   logits, hidden, _ = target.extend_entries(target_params, tokens,
                                             target.init_cache(*tokens.shape))
+  teacher = TeacherOutputs(hidden=hidden[:, :-1], logp=logits[:, :-1])
   grads, metrics = jax.grad(head_loss, has_aux=True)(
-      params, head, target_params, logits[:, :-1], hidden[:, :-1], tokens[:, 1:], mask[:, 1:],
-      key, loss=losses.get("fkl"), **loss_args)
+      params, head, target_params, teacher, tokens[:, 1:], mask[:, 1:], key,
+      loss=losses.get("fkl"), **loss_args)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, metrics

@@ -76,21 +76,24 @@ def train_step(state: TrainState, batch, teacher_params, *, student, teacher, lo
   A non-finite step (or any step after one) leaves params and optimizer state as they were; the
   step counter advances, so the loop's step and the state's stay in line."""
   prompt, targets, mask = batch.prompt, batch.targets, batch.mask
-  teacher_logits = teacher_hidden = None
-  if teacher is not None:
-    teacher_logits, teacher_hidden = jax.lax.stop_gradient(
-        score(teacher, teacher_params, prompt, targets))                  # [B, L, V], [B, L, D]
-
-  def loss_fn(params):
-    student_logits, _ = score(student, params, prompt, targets)            # [B, L, V]
-    return loss(student_logits, teacher_logits, targets, mask), student_logits
-
+  teacher_logits = None
   if isinstance(student, DraftHead):     # an EAGLE-style head: it reads the teacher's features
+    cached = batch.teacher               # the teacher's outputs from a cache, else its pass here
+    outputs = cached if cached is not None else head_lib.teacher_outputs(teacher, teacher_params,
+                                                                         batch)
     (value, extra), grads = jax.value_and_grad(head_lib.head_loss, has_aux=True)(
-        state.params, student, teacher_params, teacher_logits, teacher_hidden, targets, mask,
+        state.params, student, teacher_params, outputs, targets, mask,
         jax.random.fold_in(state.rng, state.step), loss=loss)
     student_logits = None
   else:
+    if teacher is not None:
+      teacher_logits, _ = jax.lax.stop_gradient(
+          score(teacher, teacher_params, prompt, targets))                  # [B, L, V]
+
+    def loss_fn(params):
+      student_logits, _ = score(student, params, prompt, targets)            # [B, L, V]
+      return loss(student_logits, teacher_logits, targets, mask), student_logits
+
     (value, student_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     extra = {}
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -42,6 +42,8 @@ import numpy as np
 from specjax import checkpoint as ckpt_lib
 from specjax import sharding
 from specjax.distill import data as data_lib
+from specjax.distill import features as features_lib
+from specjax.distill import head as head_lib
 from specjax.distill import losses as losses_lib
 from specjax.distill import step as step_lib
 from specjax.distill import throughput
@@ -73,6 +75,11 @@ class TrainConfig:
   lambda2: float = 1.0
   temperature: float = 1.0          # sampling temperature of generated outputs
   student: str = "draft"            # draft (a model) | head (an EAGLE-style head on the teacher)
+  cache_batches: int = 0            # head: the teacher's outputs over the first N batches cached
+                                    # once (distill/features.py), step s trains on batch s mod N;
+                                    # 0: the teacher's pass in every step
+  cache_top_k: int = 64             # the teacher's top-k log-probs a cache keeps (the rest lumped)
+  cache_dir: str = ""               # "" -> WORKDIR/teacher_cache; shared by runs of a sweep
   seed: int = 0
   log_every: int = 100
   checkpoint_every: int = 1_000
@@ -105,6 +112,13 @@ class TrainConfig:
     for name in ("checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.cache_batches < 0 or self.cache_top_k < 1:
+      raise ValueError(f"cache_batches must be >= 0 and cache_top_k >= 1, got "
+                       f"{self.cache_batches} and {self.cache_top_k}")
+    if self.cache_batches and self.student != "head":
+      raise ValueError(f"cache_batches={self.cache_batches} caches a teacher's features for a "
+                       f"draft head (student 'head'); a draft model (student "
+                       f"{self.student!r}) trains on its own samples: set cache_batches=0")
 
 
 class TrainingDivergedError(ValueError):
@@ -407,17 +421,59 @@ class Trainer:
       if first >= cfg.steps:
         self._nothing_to_do(ckpt, first)
         return state
-      flops = throughput.FlopModel(
+      placed_teacher = self.place_params(teacher_params)
+      if cfg.cache_batches:
+        self.use_cache(state, placed_teacher)
+      flops = throughput.FlopModel(     # a cached teacher's pass is not part of a step
           throughput.ParamCount.of(student_params),
-          None if teacher_params is None else throughput.ParamCount.of(teacher_params))
+          None if teacher_params is None or cfg.cache_batches
+          else throughput.ParamCount.of(teacher_params))
       self._announce(first, flops)
       evals = EvalSchedule(evaluate, cfg.eval_every, cfg.eval_at_start)
       with StopRequest().installed() as stop:
-        state = self._loop(state, first, ckpt, self.place_params(teacher_params), flops,
-                           on_step, stop, evals)
+        state = self._loop(state, first, ckpt, placed_teacher, flops, on_step, stop, evals)
     finally:
       ckpt.close()
     return state
+
+  def use_cache(self, state: TrainState, teacher_params) -> features_lib.FeatureCache:
+    """Train on the teacher cache (distill/features.py) from now on: its missing batches are
+    computed first (each as the mixture gives it at its step, then the teacher's pass), with
+    progress logged; then the source is the cache and the mixture takes its batches as they
+    are. Returns the cache."""
+    cfg = self.cfg
+    if jax.process_count() > 1:
+      raise ValueError("a teacher cache is written by one process: run cache_batches > 0 on one "
+                       "host, or set cache_batches=0 on a multi-host run")
+    path = Path(cfg.cache_dir) if cfg.cache_dir else self.workdir / "teacher_cache"
+    cache = features_lib.FeatureCache(path, self.cache_key(teacher_params), cfg.cache_batches)
+    todo = cache.open().missing()
+    log.info("teacher cache %s: %d of %d batches there, computing %d (top %d log-probs and the "
+             "features of each position)", path, cfg.cache_batches - len(todo), cfg.cache_batches,
+             len(todo), cfg.cache_top_k)
+    outputs = jax.jit(functools.partial(head_lib.teacher_outputs, self.teacher,
+                                        top_k=cfg.cache_top_k))
+    started = last = time.perf_counter()
+    for n, i in enumerate(todo, 1):
+      batch, _ = self.sampled_batch(i, self.place_batch(self.source.batch(i)), state,
+                                    teacher_params)
+      cache.write(i, batch.replace(teacher=outputs(teacher_params, batch)))
+      if n == 1 or n == len(todo) or time.perf_counter() - last > 30:
+        last = time.perf_counter()
+        log.info("teacher cache: %d / %d batches in %.1fs%s", n, len(todo), last - started,
+                 " (the first compiles the teacher's pass)" if n == 1 else "")
+    self.source = cache
+    self.mixture = data_lib.Mixture(1.0, 0.0, cfg.temperature, cfg.seed)   # the cached batches
+    return cache
+
+  def cache_key(self, teacher_params) -> dict:
+    """What a teacher cache depends on: the teacher, its params, the data and the mixture."""
+    cfg = self.cfg
+    first = self.source.batch(0)
+    return {"teacher": repr(self.teacher), "teacher_params": features_lib.fingerprint(teacher_params),
+            "data": features_lib.fingerprint((first.prompt, first.targets, first.mask)),
+            "batch": list(batch_shape(first)), "top_k": cfg.cache_top_k,
+            "mixture": [cfg.lambda1, cfg.lambda2, cfg.temperature, cfg.seed]}
 
   def _nothing_to_do(self, ckpt: ckpt_lib.Checkpointer, step: int) -> None:
     if ckpt.latest_step() is None:

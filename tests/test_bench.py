@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -162,6 +163,30 @@ def test_trace_of_a_backend_without_a_device_plane_is_none():
   if jax.default_backend() != "cpu":
     pytest.skip("XLA:CPU records no device plane")
   assert trace.profile(lambda: jax.numpy.ones(3) + 1, steps=1) is None
+
+
+CPU_PROFILE = """
+import json, jax, jax.numpy as jnp
+from eval import trace
+w = jnp.ones((256, 512)); x = jnp.ones((4, 256))
+f = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(-1))
+print(json.dumps(trace.profile(lambda: f(x, w), steps=1)))
+"""
+
+
+def test_trace_reads_xla_cpu_ops_when_the_flag_records_them():
+  """With --xla_cpu_enable_xprof_traceme the CPU gets a summary of its ops (numbering cut, the
+  executor's own spans left out); the test above is the same call without the flag."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true")
+  proc = subprocess.run([sys.executable, "-c", CPU_PROFILE], env=env, cwd=REPO, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  s = json.loads(proc.stdout.strip().splitlines()[-1])
+  names = [t["name"] for t in s["top"]]
+  assert s["kernels"] >= 1 and s["kernel_ms"] > 0, s
+  assert not any(n.startswith(("ThunkExecutor", "SlinkyThreadPool", "end: ")) for n in names)
+  assert not any(n.rsplit(".", 1)[-1].isdigit() for n in names), names
 
 
 @pytest.mark.slow        # 80 s of the default run's 15 minutes; run with -m slow

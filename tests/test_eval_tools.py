@@ -94,7 +94,7 @@ def test_latency_writes_a_strict_list_per_gamma_and_keeps_done_gammas(tmp_path, 
   monkeypatch.setattr(latency.runner, "eval_prompts", lambda config, n: ["ab"])
   monkeypatch.setattr(latency.builders, "decode_settings", lambda config: builders.DecodeSettings())
 
-  def measure(dec, prompts, repeats, seed, steps, say=None):
+  def measure(dec, prompts, repeats, seed, steps, say=None, profile=False):
     if dec.settings.gamma == 5:
       raise ValueError("gamma 5 failed")
     return _record(dec.settings.gamma)
@@ -107,6 +107,26 @@ def test_latency_writes_a_strict_list_per_gamma_and_keeps_done_gammas(tmp_path, 
   assert latency.main(["--gamma", "1,2,5", "--output_json", str(out)]) == 2
   assert [r["gamma"] for r in json.loads(out.read_text())] == [1, 2]
   assert sorted(p.name for p in tmp_path.iterdir()) == ["latency.json"]     # no temporary left
+
+
+def test_latency_profile_names_each_pass_and_records_cpu_ops(monkeypatch):
+  from eval import trace
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
+  latency.record_cpu_ops()
+  latency.record_cpu_ops()                       # once only
+  assert os.environ["XLA_FLAGS"] == f"--xla_cpu_foo=1 {latency.CPU_OPS_FLAG}"
+  seen = []
+  monkeypatch.setattr(latency.trace, "profile", lambda fn, steps: seen.append((fn(), steps)) or
+                      trace.summarize([("dot", 0, 6e6), ("add", 6e6, 2e6)], steps))
+  probes = {"t1": lambda: "t1", "t4": lambda: "t4", "t6": lambda: "t6", "d1": lambda: "d1"}
+  prof = latency.profiles(probes, steps=2, gamma=3)
+  assert sorted(seen) == [("d1", 2), ("t1", 2), ("t4", 2)]   # the verify pass is gamma + 1 wide
+  assert list(prof) == ["target_step", "verify", "draft_step"]
+  assert list(latency.profiles({"t1": probes["t1"], "t2": probes["t4"]}, 2, 1)) == \
+      ["target_step", "verify"]                  # prompt lookup: no draft pass
+  text = latency.profile_table({**prof, "draft_step": None})
+  assert "| target_step | dot | 3.00 | 0.5 | 75% |" in text
+  assert "| draft_step | (nothing recorded on this backend) |" in text
 
 
 def _tradeoff_records(draft_speed: float) -> list[dict]:
@@ -173,7 +193,15 @@ def test_matmul_tool_measures_every_case_and_refuses_bad_flags(tmp_path, capsys)
   assert [(r["dtype"], r["layout"], r["rows"]) for r in records] == [("int8", "KN", 1),
                                                                      ("int8", "KN", 2)]
   assert records[0]["weight_gb_per_s"] > 0
+  assert matmul.main(["--k", "16", "--n", "24", "--rows", "2", "--dtypes", "int8", "--copies", "3",
+                      "--repeats", "2", "--output_json", str(out)]) == 0
+  assert [r["copies"] for r in json.loads(out.read_text())["records"]] == [3, 3]
+  calls = []
+  assert matmul.time_call(lambda x, w: calls.append(w), 0, [(1,), (2,), (3,)], repeats=4) >= 0
+  assert calls == [1, 2, 3, 1, 2, 3, 1]       # each copy compiled first, then taken in turn
   capsys.readouterr()
+  assert matmul.main(["--copies", "0"]) == 2
+  assert "--copies must be at least 1" in _error_line(capsys)
   assert matmul.main(["--rows", "2,x"]) == 2
   assert "--rows must be comma-separated" in _error_line(capsys)
   assert matmul.main(["--dtypes", "int4"]) == 2

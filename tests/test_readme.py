@@ -207,6 +207,10 @@ def check_latency(done: Done) -> None:
   assert math.isfinite(record["compile_s"]) and record["compile_s"] >= 0
   assert 1 <= record["block_efficiency"] <= record["gamma"] + 1
   assert 0 <= record["acceptance_rate"] <= 1 and "speedup" in done.proc.stdout
+  # --profile: XLA:CPU's ops of each pass, recorded (the flag set before the backend started)
+  assert sorted(record["profile"]) == ["draft_step", "target_step", "verify"], record["profile"]
+  assert all(p["top"] and p["kernel_ms"] > 0 for p in record["profile"].values())
+  assert "| target_step |" in done.proc.stdout
 
 
 def check_quality(done: Done) -> None:
@@ -412,9 +416,9 @@ COMMANDS: dict[str, Run | Skip] = {
     "python -m specjax.decode --config sprinter_tiny.py": Run(
         check_sprinter, (*TINY, "--output_json", "sprinter.json"), cost=7, after="python -m train.verifier --config sprinter_tiny.py "
                                           "--workdir runs/sprinter_tiny"),
-    "python -m eval.latency --config tiny.py [--gamma 1,3,5,7] [--output_json F]": Run(
+    "python -m eval.latency --config tiny.py [--gamma 1,3,5,7] [--profile] [--output_json F]": Run(
         check_latency, (*TINY, "--num_prompts", "1", "--repeats", "1", "--probe_steps", "2",
-                        "--output_json", "latency.json"), cost=14),
+                        "--profile", "--output_json", "latency.json"), cost=14),
     "python -m eval.agreement --config tiny.py --variant=--config.target.quant=int8 "
     "[--output_json F]": Run(check_agreement, (*TINY, "--num_prompts", "1", "--num_texts", "2",
                                                "--text_tokens", "32", "--output_json",
@@ -438,9 +442,9 @@ COMMANDS: dict[str, Run | Skip] = {
         check_tradeoff("fuzzy", {"target", "draft", "fuzzy", "fuzzy_random"}),
         (*TINY, "--values", "0.3,inf", "--random_values", "0.5", "--num_examples", "1",
          "--batch_size", "1", "--timing_prompts", "1", "--repeats", "1"), cost=16),
-    "python -m eval.matmul [--k 1536 --n 8960 --rows 1,2,3,5,8]": Run(
-        check_matmul, ("--k", "32", "--n", "48", "--rows", "2", "--repeats", "2"), pair=False,
-        cost=2),
+    "python -m eval.matmul [--k 1536 --n 8960 --rows 1,2,3,5,8] [--copies 16]": Run(
+        check_matmul, ("--k", "32", "--n", "48", "--rows", "2", "--repeats", "2", "--copies", "2"),
+        pair=False, cost=2),
     "python -m eval.startup --config tiny.py [--case NAME=OVERRIDES] [--output_json F] "
     "[--output_md F]": Run(check_startup, (*TINY, "--output_json", "startup.json"), cost=12),
     "python -m eval.bench [--shapes qwen-coder-1.5b,qwen2.5-7b] [--batches 1,8,32] [--scale 16] "

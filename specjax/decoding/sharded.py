@@ -137,7 +137,7 @@ def _jitted(loop, setup, tree, signature):
   in_shardings = jax.tree_util.tree_unflatten(tree, [s for _, _, s in signature])
   return jax.jit(fn, in_shardings=tuple(in_shardings),
                  out_shardings=state_shardings(out, setup.mesh),
-                 compiler_options=loop_compiler_options())
+                 compiler_options=loop_compiler_options(structs))
 
 
 @functools.lru_cache(maxsize=64)

@@ -177,6 +177,35 @@ def test_int8_is_refused_off_the_cpu(monkeypatch):
     loading.load("builtin:tiny/target", quant="int8")
 
 
+@pytest.mark.parametrize("family, scan, tied", [
+    ("qwen2", True, True), ("qwen2", False, False), ("gpt2", False, True), ("gpt2", True, False)])
+def test_an_int8_load_quantizes_each_kernel_as_it_is_read(tmp_path, family, scan, tied):
+  """hf_import.load_model(quant="int8") (what specjax.load does: the float model is never held
+  whole) gives the bits of the float load quantized afterwards, in either layer layout, tied or
+  untied head."""
+  from specjax.models import hf_import, llama
+  if family == "gpt2":
+    model, params = testing.tiny_decoder(seed=4, vocab_size=40, num_layers=2)
+    model = dataclasses.replace(model, config=dataclasses.replace(
+        model.config, tie_word_embeddings=tied))
+    params = model.init_params(jax.random.PRNGKey(4))
+  else:
+    model = llama.Llama(llama.LlamaConfig(
+        vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        d_ff=64, qkv_bias=True, tie_word_embeddings=tied, model_type="qwen2", bos_token_id=1,
+        eos_token_id=2, max_position_embeddings=64))
+    params = model.init_params(jax.random.PRNGKey(4))
+  hf_import.save_model(model, params, str(tmp_path))
+  _, floats = hf_import.load_model(str(tmp_path), "float32", scan_layers=scan)
+  want = quant.quantize_params(floats, tied)
+  int8, got = hf_import.load_model(str(tmp_path), "float32", scan_layers=scan, quant="int8")
+  assert int8.quant == "int8"
+  like = jax.eval_shape(int8.init_params, jax.random.PRNGKey(0))
+  assert jax.tree.structure(got) == jax.tree.structure(want) == jax.tree.structure(like)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_an_encoder_decoder_is_refused_with_the_families_that_have_it():
   from specjax.api import loading
   model, _ = testing.tiny_t5()

@@ -289,10 +289,10 @@ def _load_params(path: Path, dtype: str, scan: bool, role: str, quant: str = "",
       return model, param_cache.load(cached, like)
     except (ValueError, OSError) as err:            # damaged: load the checkpoint again
       log.warning("ignoring the cached params in %s (%s)", cached, err)
-  model, params = hf_import.load_model(str(path), dtype, scan_layers=scan, layout=layout)
-  if quant:
-    model = _quantized(model, quant, role)
-    params = quant_lib.quantize_params(params, model.config.tie_word_embeddings)
+  _quantized(hf_import.model_from_dir(path, dtype, scan_layers=scan, layout=layout), quant,
+             role)                                   # refuses quant for a family without it
+  model, params = hf_import.load_model(str(path), dtype, scan_layers=scan, layout=layout,
+                                       quant=quant)
   if cached is not None:
     _save_at_exit(cached, params, role)
   return model, params

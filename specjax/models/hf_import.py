@@ -94,18 +94,19 @@ def read_tensors(path: Path) -> LazyTensors:
 
 
 def load_model(name_or_dir: str, dtype: str = "float32", precision: str | None = None,
-               scan_layers: bool | None = None, layout: str | None = None):
+               scan_layers: bool | None = None, layout: str | None = None, quant: str = ""):
   """Returns (model, params) for a local HF checkpoint directory or a cached hub id, the params
   read tensor by tensor straight into `dtype` on the default device. precision: the model's
   matmul precision (None: `default_precision(dtype)`; config.json does not carry it).
   scan_layers: the layer layout (models/layers.py; None: the default, stacked under nn.scan;
   False: layers_0 ... run by a loop, split from the stack as it is loaded). layout: a
   decoder-only model's dense-kernel layout (models/dense_layout.py; None: "in_out"), which the
-  family's params_from_hf reads the tensors into.
+  family's params_from_hf reads the tensors into. quant: "int8" loads a decoder-only model's
+  dense kernels as int8 (models/quant.py), each quantized as it is read.
   Raises ValueError for an unsupported model_type, dtype or precision, or tensors that do not
   match config.json (before any data is read), CorruptCheckpointError for a damaged file."""
   path = resolve_checkpoint(name_or_dir)
-  mod, model = _model(path, dtype, precision, scan_layers, layout)
+  mod, model = _model(path, dtype, precision, scan_layers, layout, quant)
   tensors = read_tensors(path)
   try:
     params = mod.params_from_hf(model, tensors)
@@ -126,7 +127,7 @@ def model_from_dir(path: str | os.PathLike, dtype: str = "float32", precision: s
 
 
 def _model(path: Path, dtype: str, precision: str | None, scan_layers: bool | None,
-           layout: str | None = None):
+           layout: str | None = None, quant: str = ""):
   """(the family's module, the model) of config.json, with specjax's own settings applied."""
   hf_config = read_config(path / "config.json")
   model_type = hf_config.get("model_type")
@@ -137,7 +138,8 @@ def _model(path: Path, dtype: str, precision: str | None, scan_layers: bool | No
   mod = registry[model_type]
   model = _model_from_config(mod, hf_config, dtype, path / "config.json")
   settings = {k: v for k, v in dict(precision=precision or default_precision(dtype),
-                                     scan_layers=scan_layers, layout=layout).items()
+                                     scan_layers=scan_layers, layout=layout,
+                                     quant=quant or None).items()
               if v is not None}      # specjax settings that config.json does not carry
   model = dataclasses.replace(model, config=dataclasses.replace(model.config, **settings))
   return mod, model

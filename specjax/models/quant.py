@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import dense_layout
+from specjax.models.hf_tensors import tree_set
 
 QUANTS = ("", "int8")      # "": the model dtype's dense layers
 _QMAX = 127.0
@@ -125,32 +126,53 @@ def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
   return q, scale
 
 
+def put(params: dict, path: tuple[str, ...], value: jax.Array, quant: str) -> None:
+  """A loader's tree_set(params, path, value) that quantizes as it goes: with quant "int8" a
+  Dense kernel (a leaf named `kernel` anywhere, the untied output layer's included) is stored as
+  its int8 kernel with its float32 `scale` beside it, so the float model is never held whole
+  (the host holds one float leaf extra at a time); other leaves, and every leaf with quant "",
+  as given. Finish with `with_head`."""
+  if quant == "int8" and path[-1] == "kernel":
+    kernel, scale = quantize_kernel(value)
+    tree_set(params, path, kernel)
+    tree_set(params, (*path[:-1], "scale"), scale)
+  else:
+    tree_set(params, path, value)
+
+
+def with_head(params: dict, quant: str, tied: bool) -> dict:
+  """The params a loader built with `put`, with a tied int8 model's output layer added: `lm_head`
+  (kernel [D, V] int8, scale [V]) quantized from the embedding table transposed, which stays for
+  the input lookup. Unchanged for quant "" or an untied head (`put` quantized it)."""
+  if quant == "int8" and tied:
+    kernel, scale = _quantize_transposed(params["token_embed"]["embedding"])     # [V, D] ->
+    params["lm_head"] = {"kernel": kernel, "scale": scale}
+  return params
+
+
 def quantize_params(params: dict, tied: bool) -> dict:
   """The params of a float decoder-only model -> those of its int8 twin (config quant="int8"),
-  in place: every Dense kernel under the layers replaced by (int8 kernel, scale), each float
-  kernel dropped as soon as it is converted (the host holds one float leaf extra at a time), and
-  the output layer as `lm_head` (kernel [D, V] int8, scale [V]): from the untied head's kernel,
-  or (`tied`) from the embedding table transposed, which stays for the input lookup."""
-  for name, sub in params.items():
-    if name != "lm_head" and isinstance(sub, dict):
-      _quantize_dense(sub)
-  if tied:
-    kernel, scale = _quantize_transposed(params["token_embed"]["embedding"])     # [V, D] ->
-  else:
-    kernel, scale = quantize_kernel(params["lm_head"].pop("kernel"))
-  params["lm_head"] = {"kernel": kernel, "scale": scale}
-  return params
+  in place, as a loader with `put` and `with_head` builds them (each float kernel dropped as soon
+  as it is converted)."""
+  for path in _kernel_paths(params):
+    parent = params
+    for key in path[:-1]:
+      parent = parent[key]
+    put(params, path, parent.pop("kernel"), "int8")
+  return with_head(params, "int8", tied)
+
+
+def _kernel_paths(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+  paths = []
+  for key, sub in tree.items():
+    if isinstance(sub, dict):
+      paths += _kernel_paths(sub, (*prefix, key))
+    elif key == "kernel":
+      paths.append((*prefix, key))
+  return paths
 
 
 @jax.jit
 def _quantize_transposed(table: jax.Array) -> tuple[jax.Array, jax.Array]:
   return quantize_kernel(table.T)
 
-
-def _quantize_dense(tree: dict) -> None:
-  if "kernel" in tree and not isinstance(tree["kernel"], dict):
-    tree["kernel"], tree["scale"] = quantize_kernel(tree.pop("kernel"))
-    return
-  for sub in tree.values():
-    if isinstance(sub, dict):
-      _quantize_dense(sub)

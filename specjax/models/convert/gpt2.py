@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import dense_layout, hf_tensors, layers
+from specjax.models import dense_layout, hf_tensors, layers, quant
 from specjax.models.hf_tensors import tree_get, tree_set
 from specjax.models.decoder import Decoder, DecoderConfig
 
@@ -97,15 +97,16 @@ def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
     tree_set(params, path, hf_tensors.to_device(read(name), dt))
   for path, name in _HF_LAYER.items():
     layer = lambda i: orient(path, read(f"h.{i}.{name}"))
-    tree_set(params, ("layers",) + path, hf_tensors.stack_layers(layer, num_layers, dt))
+    quant.put(params, ("layers",) + path, hf_tensors.stack_layers(layer, num_layers, dt), cfg.quant)
   for third, proj in enumerate(_QKV):
     for leaf, name in _C_ATTN.items():
       part = lambda i: orient((leaf,), np.split(read(f"h.{i}.{name}"), 3, axis=-1)[third])
-      tree_set(params, ("layers", "attention", proj, leaf),                      # [D, 3D] -> [D, D]
-           hf_tensors.stack_layers(part, num_layers, dt))
+      quant.put(params, ("layers", "attention", proj, leaf),                     # [D, 3D] -> [D, D]
+                hf_tensors.stack_layers(part, num_layers, dt), cfg.quant)
   if not cfg.tie_word_embeddings:
     head = read("lm_head.weight").T                                         # [V, D] -> [D, V]
-    params["lm_head"] = {"kernel": hf_tensors.to_device(head, dt)}
+    quant.put(params, ("lm_head", "kernel"), hf_tensors.to_device(head, dt), cfg.quant)
+  params = quant.with_head(params, cfg.quant, cfg.tie_word_embeddings)
   return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
 
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import dense_layout, hf_tensors, layers
-from specjax.models.hf_tensors import tree_get, tree_set
+from specjax.models import dense_layout, hf_tensors, layers, quant
+from specjax.models.hf_tensors import tree_get
 from specjax.models.llama import MODEL_TYPES, Llama, LlamaConfig, Rope
 
 Params = Any
@@ -152,7 +152,8 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
   """HF tensors -> params. `tensors` may be lazy (each lookup reads a file): every tensor is
   read once and cast to the model dtype on its own, per-layer ones straight into their [L, ...]
   stack, so no float32 copy of the whole model is built (then split per layer if the model has
-  scan_layers=False). Extra tensors are ignored."""
+  scan_layers=False); an int8 model's kernels are quantized as they are read (quant.put). Extra
+  tensors are ignored."""
   cfg = model.config
   shapes = jax.eval_shape(layers.with_scan(model).init_params, jax.random.PRNGKey(0))
   dtype = model.dtype
@@ -168,12 +169,14 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
   for name, path in names.items():
     shape = tree_get(shapes, path).shape
     if path[0] != "layers":
-      tree_set(params, path, jnp.asarray(_read(tensors, name, path, shape, cfg, dtype)))
+      quant.put(params, path, jnp.asarray(_read(tensors, name, path, shape, cfg, dtype)),
+                cfg.quant)
       continue
     stacked = np.empty(shape, dtype)                                           # [L, ...]
     for i in range(cfg.num_layers):
       stacked[i] = _read(tensors, name.format(i=i), path, shape[1:], cfg, dtype)
-    tree_set(params, path, jnp.asarray(stacked))
+    quant.put(params, path, jnp.asarray(stacked), cfg.quant)
+  params = quant.with_head(params, cfg.quant, cfg.tie_word_embeddings)
   return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
 
 
@@ -199,9 +202,9 @@ def _params_unrolled(tensors: Mapping[str, np.ndarray], names: dict, shapes, cfg
                          f"implies {expect}.")
       value, bad = hf_tensors.to_param(raw, transpose, jnp.dtype(dtype))
       checks.add(hf_name, bad)
-      tree_set(params, where, value)
+      quant.put(params, where, value, cfg.quant)
   checks.raise_if_any()
-  return params
+  return quant.with_head(params, cfg.quant, cfg.tie_word_embeddings)
 
 
 def params_to_hf(model: Llama, params: Params) -> dict[str, np.ndarray]:

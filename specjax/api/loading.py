@@ -280,17 +280,16 @@ def _load_params(path: Path, dtype: str, scan: bool, role: str, quant: str = "",
   """(model, params) of a checkpoint directory, its dense kernels in `layout` (None: the
   family's default); specjax's own converted checkpoints go through the param cache (module
   docstring): written when the process exits, after its results."""
+  # refuses quant for a family without int8 layers, before anything is read
+  model = _quantized(hf_import.model_from_dir(path, dtype, scan_layers=scan, layout=layout),
+                     quant, role)
   cached = _param_cache_dir(path, dtype, scan, quant, layout)
   if cached is not None and param_cache.complete(cached):
-    model = _quantized(hf_import.model_from_dir(path, dtype, scan_layers=scan, layout=layout),
-                       quant, role)
     like = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
     try:
       return model, param_cache.load(cached, like)
     except (ValueError, OSError) as err:            # damaged: load the checkpoint again
       log.warning("ignoring the cached params in %s (%s)", cached, err)
-  _quantized(hf_import.model_from_dir(path, dtype, scan_layers=scan, layout=layout), quant,
-             role)                                   # refuses quant for a family without it
   model, params = hf_import.load_model(str(path), dtype, scan_layers=scan, layout=layout,
                                        quant=quant)
   if cached is not None:

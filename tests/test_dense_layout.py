@@ -25,10 +25,10 @@ CACHE = 16
 
 
 def _llama(**overrides):
-  return llama.Llama(llama.LlamaConfig(
-      vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=48,
-      qkv_bias=True, tie_word_embeddings=False, model_type="qwen2", bos_token_id=1,
-      eos_token_id=2, max_position_embeddings=64, **overrides))
+  return llama.Llama(llama.LlamaConfig(**{
+      **dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+             d_ff=48, qkv_bias=True, tie_word_embeddings=False, model_type="qwen2",
+             bos_token_id=1, eos_token_id=2, max_position_embeddings=64), **overrides}))
 
 
 def _gpt2(**overrides):
@@ -166,6 +166,46 @@ def test_auto_off_the_cpu_and_the_margin(monkeypatch, tmp_path):
   (tmp_path / "bad.json").write_text("not json")           # a damaged cache: measured again
   assert layout_choice.choose(_llama(), cache_file=tmp_path / "bad.json",
                               backend="cpu").layout == "out_in"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_is_a_candidate_costed_per_step_with_the_head(monkeypatch, tmp_path, tied):
+  """With int8=True: a step's products per candidate (the layers' times the layer count, plus
+  the output layer as stored: a tied [V, D] table is timed as out_in), int8 chosen only past
+  the margin, and the answer cached apart from the layout-only one."""
+  calls = []
+  _fake_timer(monkeypatch, 0.9, calls)
+  int8_ms = {"value": 0.5}
+  monkeypatch.setattr(layout_choice, "time_int8_products",
+                      lambda shape, rows: calls.extend((shape, m, "int8") for m in rows) or
+                      [1e-3 * m * int8_ms["value"] for m in rows])
+  model, cache = _llama(tie_word_embeddings=tied), tmp_path / "c.json"
+  choice = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu", int8=True)
+  assert (choice.quant, choice.layout) == ("int8", "in_out")
+  layer = 1e-3 * (2 + 1 + 2) * (1 + 5)                  # the fake in_out cost of a layer
+  head_shape = (32, 64)                                 # (D, V): V < HEAD_ROWS, timed whole
+  assert [c for c in calls if c[0] == head_shape] == [
+      (head_shape, 1, "out_in" if tied else "in_out"), (head_shape, 5, "out_in" if tied else
+      "in_out"), (head_shape, 1, "int8"), (head_shape, 5, "int8")]
+  assert choice.costs["in_out"] == pytest.approx(2 * layer + 1e-3 * 6 * (0.9 if tied else 1))
+  assert choice.costs["out_in"] == pytest.approx(0.9 * 2 * layer + 1e-3 * 6 * (0.9 if tied else 1))
+  assert choice.costs["int8"] == pytest.approx(0.5 * (2 * layer + 1e-3 * 6))
+  assert "int8 weights (measured at rows 1, 5" in choice.describe()
+  again = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu", int8=True)
+  assert again.quant == "int8" and again.reason.startswith("cached")
+  alone = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu")
+  assert alone.quant == "" and alone.reason.startswith("measured")   # another question
+  int8_ms["value"] = 0.87                               # out_in costs 0.9: int8 not past margin
+  fixed = layout_choice.choose(model, (1, 5), cache_file=None, backend="cpu", int8=True)
+  assert (fixed.quant, fixed.layout) == ("", "out_in")
+  only = layout_choice.choose(model, (1, 5), cache_file=None, backend="cpu", int8=True,
+                              layout="in_out")          # a fixed float layout: 0.87 < 0.95
+  assert (only.quant, only.layout) == ("int8", "in_out") and "out_in" not in only.costs
+
+
+def test_time_int8_products_runs():
+  times = layout_choice.time_int8_products((16, 24), (1, 3))
+  assert len(times) == 2 and min(times) > 0
 
 
 def test_time_products_runs_both_layouts():

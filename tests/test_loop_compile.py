@@ -67,3 +67,53 @@ def test_the_cpu_loop_options_follow_the_weights_dtype():
   if jax.default_backend() == "cpu":
     assert state.loop_compiler_options({"w": f32}) is state.CPU_LOOP_OPTIONS
     assert state.loop_compiler_options({"w": bf16}) is state.CPU_16BIT_LOOP_OPTIONS
+
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU compilation is what is tested")
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_bfloat16_head_is_converted_a_block_of_rows_at_a_time(monkeypatch, tied):
+  """XLA:CPU converts a 16-bit head to float32 for its product; models/head_product.py multiplies
+  it in blocks of vocabulary rows, so the loop holds one block's copy, not the whole head's (the
+  broken variant, one product, holds the whole copy), and the tokens are the same."""
+  from specjax.models import head_product
+  cfg = llama.LlamaConfig(vocab_size=8192, d_model=128, num_layers=1, num_heads=4,
+                          num_kv_heads=2, head_dim=32, d_ff=256, dtype="bfloat16",
+                          tie_word_embeddings=tied)
+  model = llama.Llama(cfg)
+  params = testing._spread(model.init_params(jax.random.PRNGKey(0)))
+  head_f32 = 4 * cfg.vocab_size * cfg.d_model
+  calls = []
+  real_call = state.LoopJit.__call__
+  monkeypatch.setattr(state.LoopJit, "__call__",
+                      lambda self, *a, **k: calls.append((self, a, k)) or real_call(self, *a, **k))
+  temps, tokens = [], []
+  for rows in (1000, cfg.vocab_size):             # blocked (a ragged last block), then one product
+    monkeypatch.setattr(head_product, "BLOCK_ROWS", rows)
+    jax.clear_caches()                            # BLOCK_ROWS is read when the loop is traced
+    gen = autoregressive.generate(model, params, Prompt.from_lists([[1, 5, 7]]),
+                                  jax.random.PRNGKey(0), max_new_tokens=6, warp=Warp(1.0),
+                                  eos_id=None)
+    loop, args, kwargs = calls[-1]
+    assert loop.jitted(*args, **kwargs) is loop._cpu_16bit
+    temps.append(loop.lower(*args, **kwargs).compile().memory_analysis().temp_size_in_bytes)
+    tokens.append(np.asarray(gen.tokens).tolist())
+  blocked, whole = temps
+  assert whole >= head_f32, (whole, head_f32)
+  assert blocked <= whole - head_f32 / 2, (blocked, whole, head_f32)
+  assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("vocab_axis", [0, 1])
+def test_the_blocked_head_product_gives_the_one_products_logits(monkeypatch, vocab_axis):
+  from specjax.models import head_product
+  monkeypatch.setattr(head_product, "BLOCK_ROWS", 96)
+  keys = jax.random.split(jax.random.PRNGKey(1))
+  hidden = jax.random.normal(keys[0], (2, 3, 64), jax.numpy.bfloat16)           # [B, T, D]
+  kernel = jax.random.normal(keys[1], (1000, 64) if vocab_axis == 0 else (64, 1000),
+                             jax.numpy.bfloat16)
+  spec = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
+  want = jax.numpy.einsum(spec, hidden, kernel, preferred_element_type=jax.numpy.float32)
+  got = jax.jit(lambda h, w: head_product.logits(h, w, vocab_axis))(hidden, kernel)
+  assert got.shape == (2, 3, 1000) and got.dtype == np.float32
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)

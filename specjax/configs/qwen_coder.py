@@ -15,9 +15,10 @@ directories and cached under $SPECJAX_CACHE (default ~/.cache/specjax; ~6.5 GB i
         --methods target,draft,exact,greedy,lenient:eps=0.1,fuzzy:threshold=0.3,adaptive
     python -m train.distill --config distill_qwen_coder.py --workdir runs/distill_qwen_coder
 
-Weights: `quant=auto` loads int8 dense layers where that was measured faster (XLA:CPU on a CPU
-with VNNI: models/quant.choose) and float32 elsewhere (on XLA:CPU a bfloat16 matmul is several
-times slower than a float32 one: docs/results.md); the start-up lines say which and why.
+Weights: `quant=auto` loads int8 dense layers where they measure faster than float32 for each
+model's shapes at its widths on this CPU (models/layout_choice.py, once per machine), float32
+otherwise (on XLA:CPU a bfloat16 matmul is several times slower than a float32 one:
+docs/results.md); the start-up lines say which, with the measured costs.
 `--config.target.quant='' --config.draft.quant=''` keeps float32 everywhere;
 `--config.target.dtype=bfloat16 --config.draft.dtype=bfloat16` halves float memory. The int8
 model is width-invariant, so greedy SD writes the int8 target's own tokens (docs/results.md).

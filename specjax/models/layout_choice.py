@@ -14,6 +14,16 @@ kept in a JSON file (`cache_file`, given by the caller) keyed by the CPU's flags
 the jaxlib version, XLA_FLAGS, the shapes, widths, dtype and precision, so it is measured once per
 machine and setting. Other backends get "in_out" without measuring: the flip was seen on XLA:CPU,
 and the GPU and TPU results (docs/results.md) were measured in Flax's layout.
+
+With `int8=True` (a loader's quant="auto") int8 weights are a third candidate, measured the same
+way through the model's own int8 product (models/quant.int8_matmul: W8A8, a one-row product
+padded to two), and the output layer is measured too (int8 quantizes it; its first HEAD_ROWS
+vocabulary rows, scaled to the vocabulary): per-model costs are the layers' (a layer's products
+times the layer count) plus the head's. int8 is chosen only when it is more than MARGIN below
+the better float layout's cost: it is an approximation of the float model, and whether it pays
+depends on the CPU (VNNI), the width (a target's verify pass, a draft's or a target-alone run's
+one-row steps) and the shape (docs/results.md: on one AVX-512 machine int8 wins for a verify pass
+and loses for a one-row step).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specjax.models import dense_layout, layers
+from specjax.models import dense_layout, layers, quant
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +52,28 @@ _MAX_SHAPES = 3        # a layer's largest distinct kernel shapes that are measu
 _SPREAD_BYTES = 64 << 20   # at least this many weight bytes per product: past the caches
 _MAX_COPIES = 8
 DEFAULT_ROWS = (1, 5)  # when the loader does not know gamma: a step and gamma = 4's verify
+INT8 = "int8"          # the third candidate with int8=True (models/quant.py)
+HEAD_ROWS = 16384      # the output layer's vocabulary rows that are timed (then scaled to V)
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """The layout picked, why ("measured", "cached" or the backend's default), and the weighted
-  costs in seconds of both layouts (empty when not measured)."""
+  """The layout picked, why ("measured", "cached" or the backend's default), the weighted costs
+  in seconds of the candidates (empty when not measured: a layer's largest products, or with
+  int8 candidates the whole model's products), and the quant picked ("" or "int8": only where
+  int8 was a candidate)."""
   layout: str
   reason: str
   costs: dict = dataclasses.field(default_factory=dict)
+  quant: str = ""
 
   def describe(self) -> str:
+    picked = f"{self.quant} weights" if self.quant else self.layout
     if not self.costs:
-      return f"{self.layout} ({self.reason})"
+      return f"{picked} ({self.reason})"
     ms = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in sorted(self.costs.items()))
-    return f"{self.layout} ({self.reason}: {ms}, a layer's largest products summed)"
+    what = "the products of a step" if INT8 in self.costs else "a layer's largest products"
+    return f"{picked} ({self.reason}: {ms}, {what} summed)"
 
 
 def dense_shapes(model) -> tuple[tuple[int, int, int], ...]:
@@ -73,29 +90,62 @@ def dense_shapes(model) -> tuple[tuple[int, int, int], ...]:
   return tuple((k, n, counts[(k, n)]) for k, n in largest)
 
 
-def choose(model, rows=DEFAULT_ROWS, *, cache_file: Path | None,
-           backend: str | None = None) -> Choice:
+def choose(model, rows=DEFAULT_ROWS, *, cache_file: Path | None, backend: str | None = None,
+           int8: bool = False, layout: str | None = None) -> Choice:
   """The layout for `model` (a decoder-only model with a `layout` field) at widths `rows` (a
   repeated width counts as often as it appears): the backend default off the CPU, else the
-  cached answer or a measurement (module docstring), stored in `cache_file` (None: not stored)."""
+  cached answer or a measurement (module docstring), stored in `cache_file` (None: not stored).
+  int8: int8 weights are a candidate too (Choice.quant says whether they won); layout: the
+  float layout when it is fixed (None: both are measured)."""
   backend = backend or jax.default_backend()
   if backend != "cpu":
-    return Choice(dense_layout.IN_OUT, f"the {backend} backend's default, not measured")
+    return Choice(layout or dense_layout.IN_OUT,
+                  f"the {backend} backend's default, not measured")
   cfg = model.config
   shapes, rows = dense_shapes(model), tuple(sorted(int(m) for m in rows))
-  key = _key(shapes, rows, cfg.dtype, cfg.precision)
+  floats = (layout,) if layout else dense_layout.LAYOUTS
+  head = _head(model) if int8 else None
+  key = _key(shapes, rows, cfg.dtype, cfg.precision, floats, head)
   cached = _read(cache_file).get(key)
-  if cached is not None and cached.get("layout") in dense_layout.LAYOUTS:
-    return Choice(cached["layout"], f"cached in {cache_file}", cached.get("costs", {}))
-  costs = {layout: _cost(shapes, rows, layout, cfg.dtype, cfg.precision)
-           for layout in dense_layout.LAYOUTS}
-  choice = Choice(decide(costs), f"measured at rows {', '.join(map(str, rows))}", costs)
+  if cached is not None and cached.get("layout") in floats:
+    return Choice(cached["layout"], f"cached in {cache_file}", cached.get("costs", {}),
+                  cached.get("quant", ""))
+  costs = {f: _cost(shapes, rows, f, cfg.dtype, cfg.precision) for f in floats}
+  if int8:
+    costs = _model_costs(costs, shapes, rows, head, cfg)
+  best = decide(costs) if len(floats) == 2 else floats[0]
+  choice = Choice(best, f"measured at rows {', '.join(map(str, rows))}", costs)
+  if int8 and costs[INT8] < (1.0 - MARGIN) * costs[best]:
+    choice = dataclasses.replace(choice, layout=dense_layout.IN_OUT, quant=INT8)
   if cache_file is not None:
-    _write(cache_file, key, dict(layout=choice.layout, costs=costs, rows=list(rows),
-                                 shapes=[list(s) for s in shapes], dtype=cfg.dtype))
+    _write(cache_file, key, dict(layout=choice.layout, quant=choice.quant, costs=costs,
+                                 rows=list(rows), shapes=[list(s) for s in shapes],
+                                 dtype=cfg.dtype))
   return choice
 
 
+def _head(model) -> tuple[int, int, int, bool]:
+  """(layers, D, V, tied) of a decoder-only model, from its abstract params."""
+  twin = dense_layout.with_layout(layers.with_scan(model), dense_layout.IN_OUT)
+  shapes = jax.eval_shape(twin.init_params, jax.random.PRNGKey(0))
+  num_layers = jax.tree_util.tree_leaves(shapes[layers.STACKED])[0].shape[0]
+  vocab, width = shapes["token_embed"]["embedding"].shape
+  return num_layers, width, vocab, "lm_head" not in shapes
+
+
+def _model_costs(layer_costs: dict, shapes, rows, head, cfg) -> dict:
+  """A step's products per candidate: the float layouts' layer costs and int8's (timed here),
+  times the layer count, plus the output layer's in float (as stored: a tied table [V, D], an
+  untied kernel [D, V]) or in int8 ([D, V])."""
+  num_layers, width, vocab, tied = head
+  costs = dict(layer_costs, **{INT8: _cost(shapes, rows, INT8, cfg.dtype, cfg.precision)})
+  cols = min(vocab, HEAD_ROWS)
+  widths = Counter(rows)
+  head_cost = lambda fmt: (vocab / cols) * sum(widths[m] * t for m, t in zip(widths, _times(
+      (width, cols), tuple(widths), fmt, cfg.dtype, cfg.precision)))
+  float_head = head_cost(dense_layout.OUT_IN if tied else dense_layout.IN_OUT)
+  return {f: num_layers * c + (head_cost(INT8) if f == INT8 else float_head)
+          for f, c in costs.items()}
 def decide(costs: dict[str, float]) -> str:
   """out_in when its cost is more than MARGIN below in_out's, else in_out (e.g. {in_out: 1.0,
   out_in: 0.96} -> in_out; {in_out: 1.0, out_in: 0.94} -> out_in)."""
@@ -104,15 +154,22 @@ def decide(costs: dict[str, float]) -> str:
   return dense_layout.IN_OUT
 
 
-def _cost(shapes, rows, layout: str, dtype: str, precision: str) -> float:
+def _cost(shapes, rows, fmt: str, dtype: str, precision: str) -> float:
   """Sum over shapes (in, out, count) and widths M (each as often as `rows` holds it) of count x
-  the median seconds of one [M, in] x kernel product in `layout`; each width timed once."""
+  the median seconds of one [M, in] x kernel product in `fmt` (a layout or INT8); each width
+  timed once."""
   widths = Counter(rows)
   total = 0.0
   for k, n, count in shapes:
-    times = time_products((k, n), tuple(widths), layout, dtype, precision)
+    times = _times((k, n), tuple(widths), fmt, dtype, precision)
     total += count * sum(widths[m] * t for m, t in zip(widths, times))
   return total
+
+
+def _times(shape, rows, fmt: str, dtype: str, precision: str) -> list[float]:
+  if fmt == INT8:
+    return time_int8_products(shape, rows)
+  return time_products(shape, rows, fmt, dtype, precision)
 
 
 def time_products(shape: tuple[int, int], rows: tuple[int, ...], layout: str, dtype: str,
@@ -123,16 +180,31 @@ def time_products(shape: tuple[int, int], rows: tuple[int, ...], layout: str, dt
   of normals cost more than the timing."""
   k, n = shape
   dt = jnp.dtype(dtype)
-  copies = max(1, min(_MAX_COPIES, -(-_SPREAD_BYTES // (k * n * dt.itemsize))))
   stored = (k, n) if layout == dense_layout.IN_OUT else (n, k)
   contract = 0 if layout == dense_layout.IN_OUT else 1
-  weights = [jnp.full(stored, 0.01 * (i + 1), dt) for i in range(copies)]
+  weights = [jnp.full(stored, 0.01 * (i + 1), dt) for i in range(_copies(k * n * dt.itemsize))]
+  product = lambda x, w: jax.lax.dot_general(x, w, (((1,), (contract,)), ((), ())),
+                                             precision=precision)
+  return _median_seconds(product, weights, k, rows, dt)
 
-  @jax.jit
-  def products(x, weights):
-    return [jax.lax.dot_general(x, w, (((1,), (contract,)), ((), ())), precision=precision)
-            for w in weights]
 
+def time_int8_products(shape: tuple[int, int], rows: tuple[int, ...]) -> list[float]:
+  """time_products for an int8 kernel [in, out] with its scale, multiplied as an int8 model
+  multiplies (quant.int8_matmul: float32 activations quantized per row)."""
+  k, n = shape
+  scale = jnp.full((n,), 0.01, jnp.float32)
+  weights = [jnp.full((k, n), i + 1, jnp.int8) for i in range(_copies(k * n))]
+  product = lambda x, w: quant.int8_matmul(x, w, scale)
+  return _median_seconds(product, weights, k, rows, jnp.dtype(jnp.float32))
+
+
+def _copies(nbytes: int) -> int:
+  return max(1, min(_MAX_COPIES, -(-_SPREAD_BYTES // nbytes)))
+
+
+def _median_seconds(product, weights, k: int, rows, dt) -> list[float]:
+  """Per M in rows: the median seconds of product([M, k] ones, w), one call per weight copy."""
+  products = jax.jit(lambda x, weights: [product(x, w) for w in weights])
   out = []
   for m in rows:
     x = jnp.ones((m, k), dt)
@@ -142,14 +214,17 @@ def time_products(shape: tuple[int, int], rows: tuple[int, ...], layout: str, dt
       start = time.perf_counter()
       jax.block_until_ready(products(x, weights))
       times.append(time.perf_counter() - start)
-    out.append(statistics.median(times) / copies)
+    out.append(statistics.median(times) / len(weights))
   return out
 
 
-def _key(shapes, rows, dtype: str, precision: str) -> str:
+def _key(shapes, rows, dtype: str, precision: str, floats=dense_layout.LAYOUTS,
+         head=None) -> str:
   settings = dict(cpu=cpu_flags(), cores=os.cpu_count(), jaxlib=_jaxlib_version(),
                   xla_flags=os.environ.get("XLA_FLAGS", ""), shapes=[list(s) for s in shapes],
                   rows=list(rows), dtype=dtype, precision=precision)
+  if tuple(floats) != dense_layout.LAYOUTS or head is not None:   # older keys stay valid
+    settings.update(floats=list(floats), head=list(head) if head else None)
   blob = json.dumps(settings, sort_keys=True).encode()
   return hashlib.sha256(blob).hexdigest()[:16]
 

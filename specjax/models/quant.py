@@ -38,23 +38,18 @@ QUANTS = ("", "int8")      # "": the model dtype's dense layers
 _QMAX = 127.0
 AUTO = "auto"              # a loader's choice per machine: `choose`
 CHOICES = QUANTS + (AUTO,)  # what a loader or a config section accepts
-# XLA:CPU's int8 product runs on VNNI's dot-product instructions where the CPU has them; there a
-# verify pass and a decoding step cost less in int8 than in float32 (docs/results.md, int8).
-VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
 
 
-def choose(backend: str, cpu_flags: str, quantizable: bool) -> tuple[str, str]:
-  """quant="auto" -> (the quant to load with, why): "int8" on the CPU backend when the CPU has
-  VNNI and the family has int8 layers, else "" (the model dtype). Example: ("cpu", "... avx512f
-  avx512_vnni ...", True) -> ("int8", "this CPU multiplies int8 with VNNI")."""
+def choose(backend: str, quantizable: bool) -> tuple[str, str]:
+  """quant="auto" -> (the quant to load with, why): AUTO where int8 is measured against float
+  weights for the model's shapes (models/layout_choice.py with int8=True: the CPU backend and a
+  family with int8 layers), else "" (the model dtype). Example: ("cpu", True) -> ("auto", ...);
+  ("gpu", True) -> ("", "int8 is checked on the CPU only, not on gpu")."""
   if not quantizable:
     return "", "this family has no int8 layers"
   if backend != "cpu":
     return "", f"int8 is checked on the CPU only, not on {backend}"
-  found = [f for f in VNNI_FLAGS if f in cpu_flags.split()]
-  if not found:
-    return "", "this CPU has no VNNI, where int8 was not measured faster"
-  return "int8", f"this CPU multiplies int8 with VNNI ({found[0]})"
+  return AUTO, "measured against float weights on this CPU"
 
 
 class Int8Dense(nn.Module):

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models import head_product
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SubVocab:
@@ -69,6 +71,4 @@ class SubVocab:
 
   def logits(self, hidden: jax.Array, kernel: jax.Array, precision) -> jax.Array:
     """hidden [..., D] and the head kernel [D, K] -> float32 logits [..., V]."""
-    scores = jnp.einsum("...d,dk->...k", hidden, kernel, precision=precision,
-                        preferred_element_type=jnp.float32)
-    return self.expand(scores)
+    return self.expand(head_product.logits(hidden, kernel, 1, precision))

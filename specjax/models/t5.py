@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import ModelBase, Prompt
-from specjax.models import attention, hf_tensors
+from specjax.models import attention, head_product, hf_tensors
 from specjax.models import layers as layouts
 from specjax.models import kv_cache as kvc
 
@@ -319,9 +319,8 @@ class _T5Module(nn.Module):
     if self.has_variable("params", "lm_head"):
       return self.lm_head(hidden), hidden, k, v
     scaled = hidden * (self.cfg.d_model ** -0.5) if self.cfg.scale_decoder_outputs else hidden
-    logits = jnp.einsum("btd,vd->btv", scaled, self.shared.embedding,
-                        precision=self.cfg.precision, preferred_element_type=jnp.float32)
-    return logits, hidden, k, v
+    logits = head_product.logits(scaled, self.shared.embedding, 0, self.cfg.precision)
+    return logits, hidden, k, v                                                # logits [B,T,V]
 
 
 

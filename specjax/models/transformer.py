@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import attention, layers, quant
+from specjax.models import attention, head_product, layers, quant
 from specjax.models import kv_cache as kvc
 from specjax.models.sub_vocab import SubVocab
 
@@ -387,8 +387,6 @@ def logits(a: Arch, hidden: jax.Array, embed: jax.Array) -> jax.Array:
                   name="lm_head")()                                            # [D, K]
     return a.head_subset.logits(hidden, head, a.precision)
   if a.tie_word_embeddings:
-    return jnp.einsum("...d,vd->...v", hidden, embed, precision=a.precision,
-                      preferred_element_type=jnp.float32)
+    return head_product.logits(hidden, embed, 0, a.precision)                 # embed [V, D]
   head = Table("kernel", (a.d_model, a.vocab_size), a.init_std, a.dtype, name="lm_head")()
-  return jnp.einsum("...d,dv->...v", hidden, head, precision=a.precision,   # [D, V]
-                    preferred_element_type=jnp.float32)
+  return head_product.logits(hidden, head, 1, a.precision)                    # [D, V]

@@ -72,7 +72,8 @@ class Choice:
     if not self.costs:
       return f"{picked} ({self.reason})"
     ms = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in sorted(self.costs.items()))
-    what = "the products of a step" if INT8 in self.costs else "a layer's largest products"
+    what = ("the model's products at those widths" if INT8 in self.costs
+            else "a layer's largest products")
     return f"{picked} ({self.reason}: {ms}, {what} summed)"
 
 

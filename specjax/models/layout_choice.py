@@ -81,14 +81,19 @@ def dense_shapes(model) -> tuple[tuple[int, int, int], ...]:
   """A decoder-only model's layer kernel shapes as (in, out, count per layer), the _MAX_SHAPES
   largest by in * out, from the abstract params of its stacked, [in, out] twin (nothing is
   allocated)."""
-  twin = dense_layout.with_layout(layers.with_scan(model), dense_layout.IN_OUT)
-  shapes = jax.eval_shape(twin.init_params, jax.random.PRNGKey(0))
+  shapes = _abstract_params(model)
   counts = Counter()
   for path, leaf in jax.tree_util.tree_flatten_with_path(shapes[layers.STACKED])[0]:
     if getattr(path[-1], "key", None) == "kernel":
       counts[tuple(leaf.shape[1:])] += 1                               # [L, in, out] -> (in, out)
   largest = sorted(counts, key=lambda s: s[0] * s[1], reverse=True)[:_MAX_SHAPES]
   return tuple((k, n, counts[(k, n)]) for k, n in largest)
+
+
+def _abstract_params(model):
+  """The abstract params (nothing allocated) of `model`'s stacked, [in, out] twin."""
+  twin = dense_layout.with_layout(layers.with_scan(model), dense_layout.IN_OUT)
+  return jax.eval_shape(twin.init_params, jax.random.PRNGKey(0))
 
 
 def choose(model, rows=DEFAULT_ROWS, *, cache_file: Path | None, backend: str | None = None,
@@ -127,8 +132,7 @@ def choose(model, rows=DEFAULT_ROWS, *, cache_file: Path | None, backend: str | 
 
 def _head(model) -> tuple[int, int, int, bool]:
   """(layers, D, V, tied) of a decoder-only model, from its abstract params."""
-  twin = dense_layout.with_layout(layers.with_scan(model), dense_layout.IN_OUT)
-  shapes = jax.eval_shape(twin.init_params, jax.random.PRNGKey(0))
+  shapes = _abstract_params(model)
   num_layers = jax.tree_util.tree_leaves(shapes[layers.STACKED])[0].shape[0]
   vocab, width = shapes["token_embed"]["embedding"].shape
   return num_layers, width, vocab, "lm_head" not in shapes
@@ -141,12 +145,13 @@ def _model_costs(layer_costs: dict, shapes, rows, head, cfg) -> dict:
   num_layers, width, vocab, tied = head
   costs = dict(layer_costs, **{INT8: _cost(shapes, rows, INT8, cfg.dtype, cfg.precision)})
   cols = min(vocab, HEAD_ROWS)
-  widths = Counter(rows)
-  head_cost = lambda fmt: (vocab / cols) * sum(widths[m] * t for m, t in zip(widths, _times(
-      (width, cols), tuple(widths), fmt, cfg.dtype, cfg.precision)))
+  head_cost = lambda fmt: vocab / cols * _cost(((width, cols, 1),), rows, fmt, cfg.dtype,
+                                               cfg.precision)
   float_head = head_cost(dense_layout.OUT_IN if tied else dense_layout.IN_OUT)
   return {f: num_layers * c + (head_cost(INT8) if f == INT8 else float_head)
           for f, c in costs.items()}
+
+
 def decide(costs: dict[str, float]) -> str:
   """out_in when its cost is more than MARGIN below in_out's, else in_out (e.g. {in_out: 1.0,
   out_in: 0.96} -> in_out; {in_out: 1.0, out_in: 0.94} -> out_in)."""

@@ -38,8 +38,8 @@ def offline_pair(published, tmp_path, monkeypatch):  # noqa: F811
 
 def test_default_command_decodes_the_pair_streams_and_compares(offline_pair, capsys,
                                                                monkeypatch):
-  """With int8 weights, which the config's quant=auto picks on a CPU with VNNI: greedy SD writes
-  the int8 target's own tokens (the width-invariant int8 model, tests/test_quant.py)."""
+  """With int8 weights, which the config's quant=auto picks where they measure faster: greedy SD
+  writes the int8 target's own tokens (the width-invariant int8 model, tests/test_quant.py)."""
   if jax.default_backend() == "cpu":
     monkeypatch.setenv("SPECJAX_QUANT", "int8")
   out_json = offline_pair / "out.json"

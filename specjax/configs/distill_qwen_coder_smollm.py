@@ -14,7 +14,7 @@ teacher's samples written once, before training), which needs no shared vocabula
 
 The prompts are HumanEval's problems 20-163 (the first 20 are held out: eval.latency --humaneval
 and eval.humaneval --limit 20 read those); the target writes 128 tokens for each, greedily, with
-the weights it decodes with (int8 on a CPU with VNNI). Every 20th record is held out as the
+the weights it decodes with (int8 where it measures faster). Every 20th record is held out as the
 validation split (data.task file:PATH). Sized for a 2-core CPU: batch 4 of the prompt's last 128
 draft tokens + 160 text tokens, 3 epochs of the 137 training records; docs/results.md has alpha
 and the speedup before and after.

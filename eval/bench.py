@@ -3,6 +3,7 @@
     python -m eval.bench                                   # every shape, batch 1, 8, 32
     python -m eval.bench --shapes qwen-coder-1.5b --batches 1 --gammas 3,5,7
     python -m eval.bench --scale 16 --batches 1 --new_tokens 16    # a CPU-sized run
+    python -m eval.bench --shapes qwen-coder-1.5b-90m --batches 1 --quant int8   # int8 weights
 
 Per shape (a target with its draft: Qwen2.5-Coder-1.5B with Qwen2.5-0.5B and with a 90M-parameter
 4-layer draft, Qwen2.5-7B with Qwen2.5-0.5B, Llama-3.1-8B with Llama-3.2-1B, T5 v1.1 XL with
@@ -97,6 +98,7 @@ class Run:
   profile: bool = False      # one target-alone and one speculative call under the profiler
   precision: str | None = None   # of every matmul (None: the models' default, "highest")
   layers: str = "auto"           # the layer layout (models/layers.py)
+  quant: str = ""                # "int8": both models' dense layers (models/quant.py)
 
 
 def prompts(model, batch: int, length: int, seed: int) -> Prompt:
@@ -118,9 +120,9 @@ def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
   d_cfg = dict(d_cfg, vocab_size=t_cfg["vocab_size"])
   start = time.perf_counter()
   target, t_params = shapes.build(t_cfg, workdir / name / "target", run.seed, run.precision,
-                                  run.layers)
+                                  run.layers, quant=run.quant)
   draft, d_params = shapes.build(d_cfg, workdir / name / "draft", run.seed + 1, run.precision,
-                                 run.layers)
+                                 run.layers, quant=run.quant)
   init_s = time.perf_counter() - start
   say(f"{name} b{batch}: random weights in {init_s:.1f} s")
   prompt = prompts(target, batch, run.prompt_len, run.seed)
@@ -150,7 +152,7 @@ def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
   floor = roofline.floor_s(cost, peak)
   record = dict(
       case=case_key(name, batch, scale, run), shape=name, batch=batch, scale=scale,
-      precision=target.config.precision,
+      precision=target.config.precision, quant=run.quant or None,
       layers="scan" if target.config.scan_layers else "unrolled",
       target_params=_count(t_params), draft_params=_count(d_params),
       target_layers=t_cfg.get("num_hidden_layers", t_cfg.get("num_layers")),
@@ -209,7 +211,8 @@ def case_key(name: str, batch: int, scale: int, run: Run) -> str:
   flags_text = " ".join(os.environ.get("XLA_FLAGS", "").split())
   precision = run.precision or hf_import.default_precision("bfloat16")     # shapes.build's dtype
   return (f"{name}/b{batch}/scale{scale}/{precision}/{layout}/"
-          f"{jax.devices()[0].device_kind}" + (f"/{flags_text}" if flags_text else ""))
+          + (f"{run.quant}/" if run.quant else "")
+          + f"{jax.devices()[0].device_kind}" + (f"/{flags_text}" if flags_text else ""))
 
 
 def order(names: list[str], batches: list[int]) -> list[tuple[str, int]]:
@@ -221,7 +224,7 @@ def order(names: list[str], batches: list[int]) -> list[tuple[str, int]]:
 # ------------------------------------------------------------------------------ output
 
 
-COLUMNS = ("shape", "batch", "precision", "layers", "target_params", "draft_params",
+COLUMNS = ("shape", "batch", "precision", "quant", "layers", "target_params", "draft_params",
            "ar_ms_per_step", "floor_ms",
            "roofline_pct", "gamma", "tau", "cost_ratio", "verify_cost_ratio", "ms_per_token",
            "speedup", "predicted_speedup", "ar_compile_s", "compile_s", "warm_s",
@@ -294,6 +297,9 @@ def parse_args(argv):
                       "bfloat16 weights here: hf_import.default_precision)")
   p.add_argument("--layers", choices=layouts.LAYOUTS, default="auto",
                  help="layer layout of both models (auto: scanned on TPU, unrolled elsewhere)")
+  p.add_argument("--quant", choices=("", "int8"), default="",
+                 help="int8: both models' dense layers int8 (W8A8 on the CPU, weight-only on "
+                      "accelerators); decoder-only shapes")
   p.add_argument("--peak", default="", help="'TBps,TFLOPs' of the device (default: datasheets)")
   p.add_argument("--output_json", default="bench.json")
   p.add_argument("--output_md")
@@ -314,6 +320,10 @@ def check(args) -> tuple[list[str], list[int], tuple[int, ...]]:
     raise ValueError("--batches and --gammas need at least one value each")
   flags.check_counts(scale=args.scale, prompt_len=args.prompt_len, repeats=args.repeats,
                      probe_steps=args.probe_steps, new_tokens=args.new_tokens - 1)
+  encoder_decoder = [s for s in names if SHAPES[s][0]["model_type"] == "t5"]
+  if args.quant and encoder_decoder:
+    raise ValueError(f"--quant {args.quant} applies to the decoder-only shapes; "
+                     f"{', '.join(encoder_decoder)} has no int8 layers: leave it out of --shapes")
   if not 0 <= args.alpha <= 1:
     raise ValueError(f"--alpha {args.alpha}: a probability, in [0, 1]")
   if args.peak:
@@ -340,7 +350,8 @@ def main(argv=None) -> int:
     peak = roofline.peaks(env["device"], args.peak)
     run = Run(prompt_len=args.prompt_len, new_tokens=args.new_tokens, gammas=gammas,
               alpha=args.alpha, repeats=args.repeats, probe_steps=args.probe_steps,
-              profile=args.profile, precision=args.precision, layers=args.layers)
+              profile=args.profile, precision=args.precision, layers=args.layers,
+              quant=args.quant)
     say = timing.progress()
     peak_text = ("unknown (no roofline)" if peak is None else
                  f"{peak[0] / 1e12:g} TB/s, {peak[1] / 1e12:g} TFLOP/s")

@@ -43,10 +43,11 @@ def step_cost(model, params, batch: int, positions: float) -> dict:
   cfg = model.config
   skip = ("encoder",)
   weights = matmul = 0
+  # A tied table is the output layer too, unless an int8 model keeps its own copy (lm_head).
+  tied = getattr(cfg, "tie_word_embeddings", False) and "lm_head" not in params
   for names, leaf in _leaves(params, skip):
     size, nbytes = int(np.prod(leaf.shape)), int(leaf.size * leaf.dtype.itemsize)
     embedding = "embedding" in names
-    tied = getattr(cfg, "tie_word_embeddings", False)
     if embedding and not tied:
       nbytes, size = nbytes * batch // max(leaf.shape[0], 1), 0
     weights += nbytes

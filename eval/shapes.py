@@ -4,6 +4,7 @@ checkpoint of them would be."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -11,6 +12,7 @@ import jax
 
 from specjax.models import hf_import
 from specjax.models import layers as layouts
+from specjax.models import quant as quant_lib
 
 _QWEN = dict(model_type="qwen2", hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6,
              max_position_embeddings=32768)
@@ -77,12 +79,17 @@ def scaled(cfg: dict, n: int) -> dict:
 
 
 def build(cfg: dict, directory: pathlib.Path, seed: int, precision: str | None = None,
-          layers: str = "auto", dtype: str = "bfloat16"):
+          layers: str = "auto", dtype: str = "bfloat16", quant: str = ""):
   """(model, random params) of a config.json written to `directory`, built as a checkpoint of it
   would be (hf_import; layers: the layer layout, "auto" the backend's default; precision None:
-  hf_import.default_precision(dtype), "default" for bfloat16)."""
+  hf_import.default_precision(dtype), "default" for bfloat16; quant "int8": the dense layers
+  quantized as specjax.load(quant="int8") stores them, decoder-only families only)."""
   directory.mkdir(parents=True, exist_ok=True)
   (directory / "config.json").write_text(json.dumps(cfg))
   model = hf_import.model_from_dir(directory, dtype, precision,
                                    scan_layers=layouts.scan_layers(layers))
-  return model, jax.block_until_ready(model.init_params(jax.random.PRNGKey(seed)))
+  params = model.init_params(jax.random.PRNGKey(seed))
+  if quant:
+    params = quant_lib.quantize_params(params, model.config.tie_word_embeddings)
+    model = dataclasses.replace(model, config=dataclasses.replace(model.config, quant=quant))
+  return model, jax.block_until_ready(params)

@@ -24,11 +24,11 @@ SMALL = ["--scale", "16", "--batches", "1", "--gammas", "2", "--new_tokens", "8"
          "--prompt_len", "16", "--repeats", "1", "--probe_steps", "2"]
 
 
-def _pair(name: str, tmp_path, scale: int = 16):
+def _pair(name: str, tmp_path, scale: int = 16, quant: str = ""):
   t_cfg, d_cfg = (shapes.scaled(c, scale) for c in shapes.SHAPES[name])
   d_cfg = dict(d_cfg, vocab_size=t_cfg["vocab_size"])
-  return (shapes.build(t_cfg, tmp_path / "t", 0, dtype="float32"),
-          shapes.build(d_cfg, tmp_path / "d", 1, dtype="float32"))
+  return (shapes.build(t_cfg, tmp_path / "t", 0, dtype="float32", quant=quant),
+          shapes.build(d_cfg, tmp_path / "d", 1, dtype="float32", quant=quant))
 
 
 @pytest.mark.slow   # 27 s; the README's eval.bench row runs a small bench by default
@@ -53,6 +53,11 @@ def test_a_small_run_writes_its_records_and_a_second_run_resumes(tmp_path, capsy
   assert bench.main(argv) == 0                    # resumed: nothing left to measure
   assert "already, skipped" in capsys.readouterr().err
   assert len(json.loads(out.read_text())["records"]) == 1
+  assert bench.main([*argv, "--quant", "int8"]) == 0          # int8 weights: a case of its own
+  first, int8 = json.loads(out.read_text())["records"]
+  assert int8["quant"] == "int8" and first["quant"] is None and int8["case"] != first["case"]
+  assert int8["weight_bytes"] < 0.6 * first["weight_bytes"]    # int8 bytes, not bfloat16
+  assert "| qwen-coder-1.5b-90m | 1 | default | int8 |" in md.read_text()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -61,6 +66,7 @@ def test_a_small_run_writes_its_records_and_a_second_run_resumes(tmp_path, capsy
     (["--peak", "fast"], "'TBps,TFLOPs'"),
     (["--batches", "0"], "at least 1"),
     (["--new_tokens", "1"], "must be at least 1"),
+    (["--quant", "int8", "--shapes", "qwen2.5-7b,t5-xl"], "t5-xl has no int8 layers"),
 ])
 def test_bad_flags_are_refused_before_any_work(argv, message, tmp_path, capsys):
   assert bench.main([*argv, "--output_json", str(tmp_path / "b.json")]) == 2
@@ -106,6 +112,19 @@ def test_step_cost_counts_what_a_decoding_step_reads(tmp_path):
       (cost["weight_bytes"] + cost["cache_bytes"]) / 1e12)
   assert roofline.floor_s(cost, (1e30, 1e9)) == pytest.approx(cost["flops"] / 1e9)
   assert roofline.floor_s(cost, None) is None
+
+
+def test_int8_step_cost_reads_the_int8_output_layer_not_the_table(tmp_path):
+  """A tied int8 model keeps the float table for the input lookup (gathered, B rows) and reads
+  its int8 copy as the output layer; an untied one reads its int8 head."""
+  (target, params), (draft, d_params) = _pair("qwen2.5-7b", tmp_path, quant="int8")
+  assert draft.config.quant == "int8" and draft.config.tie_word_embeddings
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  for model, tree in ((target, params), (draft, d_params)):
+    table = tree["token_embed"]["embedding"]
+    assert tree["lm_head"]["kernel"].dtype == np.int8
+    cost = roofline.step_cost(model, tree, batch=1, positions=10)
+    assert cost["weight_bytes"] == nbytes(tree) - table.nbytes + table.nbytes // table.shape[0]
 
 
 def test_t5_step_cost_leaves_the_encoder_out(tmp_path):
@@ -193,8 +212,10 @@ def test_trace_reads_xla_cpu_ops_when_the_flag_records_them():
 def test_gpu_check_script_runs_the_bench_on_cpu(tmp_path):
   """tools/gpu_check.sh's flow (the README's accelerator command) on this CPU: ALLOW_CPU, no
   suite, one small shape (also standing in for the 7B one): the defaults, the command-buffer
-  flags, then batch 8."""
+  flags, int8 weights, then batch 8."""
+  # XLA_FLAGS empty: the suite's own compile flags would be recorded as the rows' flags.
   env = {**os.environ, "ALLOW_CPU": "1", "SUITE_S": "0", "BENCH_S": "240", "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "",
          "SHAPES": "qwen-coder-1.5b-90m", "BIG": "qwen-coder-1.5b-90m",
          "BENCH_ARGS": "--scale 32 --new_tokens 4 --prompt_len 8 --repeats 1 --probe_steps 1 "
                        "--gammas 2 --batches 1"}
@@ -202,8 +223,8 @@ def test_gpu_check_script_runs_the_bench_on_cpu(tmp_path):
                         env=env, capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   records = json.loads((tmp_path / "out" / "bench.json").read_text())["records"]
-  combos = {(r["layers"], r["precision"], r["xla_flags"]) for r in records}
-  assert combos == {("unrolled", "default", None),
-                    ("unrolled", "default", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")
+  combos = {(r["layers"], r["quant"], r["xla_flags"]) for r in records}
+  assert combos == {("unrolled", None, None), ("unrolled", "int8", None),
+                    ("unrolled", None, "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")
                     }, combos
   assert "== done" in proc.stdout

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The accelerator check, in one command: eval.bench at real shapes (the 1.5B target with its
 # 90M draft at the defaults, profiled; the 7B shape; CUDA-graph command buffers for the loop;
-# then the other shapes; then batch 8 and 32), then the whole test suite, each within a time
-# budget, everything written under OUT_DIR.
+# int8 weights; then the other shapes; then batch 8 and 32), then the whole test suite, each
+# within a time budget, everything written under OUT_DIR.
 #
 #   bash tools/gpu_check.sh [OUT_DIR]          # default runs/gpu_check
 #   BENCH_S=290 SUITE_S=250 WORKERS=15 bash tools/gpu_check.sh /tmp/out
@@ -84,6 +84,9 @@ if [ "$(left)" -gt 60 ] && [ -z "${ALLOW_CPU:-}" ]; then
   ls "$out/hlo" 2>/dev/null | head -20
 fi
 XLA_FLAGS="${XLA_FLAGS:-} $graphs" bench --shapes "$first" --batches 1 --gammas 7
+# int8 weights (weight-only off the CPU) against the rows above: whether quant="auto" should pick
+# int8 on this accelerator.
+bench --shapes "$first" --batches 1 --gammas 7 --quant int8
 [ -z "$rest" ] || bench --shapes "$rest" --batches 1 --gammas 3,5
 bench --shapes "$shapes" --batches 8,32 --gammas 3
 

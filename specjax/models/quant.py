@@ -1,8 +1,15 @@
 """int8 weights: the dense layers of a decoder-only model stored as int8 with a float32 scale per
-output channel, multiplied as int8 x int8 -> int32 with activations quantized per row on the fly
-(W8A8, symmetric, round to nearest).
+output channel. On the CPU they are multiplied as int8 x int8 -> int32 with activations quantized
+per row on the fly (W8A8, symmetric, round to nearest); on accelerators weight-only (W8A16: the
+kernel converted to the activations' dtype inside the product, the scale applied to its output).
 
-Why W8A8 and not weight-only int8: a decoding step is a matrix-vector product that reads every
+Why weight-only on accelerators: a batch-1 step reads every weight once either way, so both read
+a byte per weight, and only W8A8 adds rounding; XLA fuses the conversion into the product there.
+On an H200 (jax 0.11.2) XLA:GPU's s8 x s8 -> s32 product also returned twice the product, which
+weight-only never asks for. Which is faster than bfloat16 weights on a given accelerator is
+eval.bench's --quant int8 rows; quant="auto" keeps the model dtype there until measured.
+
+Why W8A8 on the CPU: a decoding step is a matrix-vector product that reads every
 weight once, so its time is the weights' bytes; int8 reads a quarter of float32's. XLA:CPU runs
 an int8 x int8 -> int32 product of two or more rows through its integer kernels (VNNI where the
 CPU has it), while a float32 x dequantized-int8 product or a one-row int8 product falls back to
@@ -14,7 +21,7 @@ and the output layer (a tied head gets an int8 copy of the embedding table, [D, 
 of float32's bytes it is read once per step where the float table was). The embedding table
 stays in the model dtype for the input lookup, which reads one row per token.
 
-Speculative decoding is exact relative to the quantized target because the int8 model is one
+Speculative decoding is exact relative to the quantized W8A8 target because the int8 model is one
 function of its input across pass widths: its integer products are exact in any order, and the
 rest runs width-invariant (transformer.Arch.width_invariant: attention and the norms' statistics
 one position at a time), so a verify pass gives each position the bits a one-position step
@@ -44,26 +51,35 @@ def choose(backend: str, quantizable: bool) -> tuple[str, str]:
   """quant="auto" -> (the quant to load with, why): AUTO where int8 is measured against float
   weights for the model's shapes (models/layout_choice.py with int8=True: the CPU backend and a
   family with int8 layers), else "" (the model dtype). Example: ("cpu", True) -> ("auto", ...);
-  ("gpu", True) -> ("", "int8 is checked on the CPU only, not on gpu")."""
+  ("gpu", True) -> ("", "int8 on gpu is weight-only and not measured at load ...")."""
   if not quantizable:
     return "", "this family has no int8 layers"
   if backend != "cpu":
-    return "", f"int8 is checked on the CPU only, not on {backend}"
+    return "", (f"int8 on {backend} is weight-only and not measured at load: eval.bench "
+                f"--quant int8 compares it with the model dtype")
   return AUTO, "measured against float weights on this CPU"
+
+
+def rounds_activations(backend: str | None = None) -> bool:
+  """Whether int8 layers on `backend` (None: jax's default) quantize their activations too
+  (W8A8: the CPU) or multiply by the int8 weights alone (W8A16: accelerators). Module doc."""
+  return (backend or jax.default_backend()) == "cpu"
 
 
 class Int8Dense(nn.Module):
   """nn.Dense over an int8 kernel [in, out] with a float32 `scale` [out] (and an optional bias in
-  the activation dtype): x [..., in] -> [..., out] in `dtype`."""
+  the activation dtype): x [..., in] -> [..., out] in `dtype`. `precision` applies to the
+  weight-only product (accelerators); the CPU's integer product is exact."""
   features: int
   use_bias: bool = True
   dtype: Any = jnp.float32
+  precision: Any = None
 
   @nn.compact
   def __call__(self, x):
     kernel = self.param("kernel", nn.initializers.zeros, (x.shape[-1], self.features), jnp.int8)
     scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
-    y = int8_matmul(x, kernel, scale).astype(self.dtype)
+    y = int8_matmul(x, kernel, scale, precision=self.precision).astype(self.dtype)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype))
     return y
@@ -76,23 +92,30 @@ def dense(features: int, *, quant: str, dtype, precision, name: str, use_bias: b
   product: models/dense_layout.py). int8 kernels are [in, out] whatever the layout (the config
   refuses quant="int8" with layout="out_in")."""
   if quant == "int8":
-    return Int8Dense(features, use_bias=use_bias, dtype=dtype, name=name)
+    return Int8Dense(features, use_bias=use_bias, dtype=dtype, precision=precision, name=name)
   cls = dense_layout.OutInDense if layout == dense_layout.OUT_IN else nn.Dense
   return cls(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, precision=precision,
              kernel_init=kernel_init, name=name)
 
 
-def int8_logits(hidden: jax.Array, vocab_size: int, subset=None) -> jax.Array:
+def int8_logits(hidden: jax.Array, vocab_size: int, subset=None, precision=None) -> jax.Array:
   """Inside a model's compact __call__: the int8 output layer `lm_head` (kernel [D, V], or
   [D, K] over a models/sub_vocab.SubVocab `subset`) -> float32 logits [..., V]."""
   rows = vocab_size if subset is None else subset.size
-  logits = Int8Dense(rows, use_bias=False, name="lm_head")(hidden)
+  logits = Int8Dense(rows, use_bias=False, precision=precision, name="lm_head")(hidden)
   return logits if subset is None else subset.expand(logits)
 
 
-def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-  """x [..., K] (float) times kernel [K, N] int8 with scale [N] -> float32 [..., N]: each row of
-  x quantized with its own absmax scale, the product accumulated in int32."""
+def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=None,
+                w8a8: bool | None = None) -> jax.Array:
+  """x [..., K] (float) times kernel [K, N] int8 with scale [N] -> float32 [..., N]. W8A8 (w8a8
+  None: rounds_activations(), the CPU): each row of x quantized with its own absmax scale, the
+  product accumulated in int32. Weight-only: the kernel converted to x's dtype (int8 values are
+  exact in bfloat16) inside a product at `precision` accumulated in float32, times the scale."""
+  if not (rounds_activations() if w8a8 is None else w8a8):
+    y = jnp.einsum("...k,kn->...n", x, kernel.astype(x.dtype), precision=precision,
+                   preferred_element_type=jnp.float32)
+    return y * scale
   lead, width = x.shape[:-1], x.shape[-1]
   rows = x.reshape(-1, width).astype(jnp.float32)                       # [M, K]
   m = rows.shape[0]

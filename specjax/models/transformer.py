@@ -130,8 +130,9 @@ class Arch:
     become a whole quantisation step and flip a near-tie. Its integer products are exact in
     any order, and attention runs one position at a time (attention.attend_each_position);
     float models keep the batched, two-segment attention (their dense products vary in the
-    last bits with the width anyway, far below a near-tie's margin in practice)."""
-    return self.quant == "int8"
+    last bits with the width anyway, far below a near-tie's margin in practice), and so do
+    int8 models off the CPU, which multiply by their weights alone (quant.rounds_activations)."""
+    return self.quant == "int8" and quant.rounds_activations()
 
 
 def _init(std: float):
@@ -381,7 +382,7 @@ class Transformer(nn.Module):
 def logits(a: Arch, hidden: jax.Array, embed: jax.Array) -> jax.Array:
   """hidden [..., D] -> f32 logits [..., V]: int8, a sub-vocabulary head, tied or untied."""
   if a.quant == "int8":
-    return quant.int8_logits(hidden, a.vocab_size, a.head_subset)
+    return quant.int8_logits(hidden, a.vocab_size, a.head_subset, a.precision)
   if a.head_subset is not None:
     head = Table("kernel", (a.d_model, a.head_subset.size), a.init_std, a.dtype,
                   name="lm_head")()                                            # [D, K]

@@ -7,6 +7,7 @@ compilation cache) and warm (the same cache again).
         --config.draft.checkpoint=DIR --config.target.dtype=float32 --config.draft.dtype=float32
     python -m eval.startup --t5_benchmark /tmp/t5_depth      # issue 14's depth benchmark
     python -m eval.startup --t5_memory /tmp/t5_memory        # a bfloat16 T5's memory
+    python -m eval.startup --gpt2_memory /tmp/gpt2_memory    # GPT-2's, by weight format
 
 Every case runs `eval.startup_probe` (what `specjax.decode` does for one prompt, timed phase by
 phase) --repeats times as a cold run followed by a warm one, each repeat with a new empty cache
@@ -24,11 +25,14 @@ with the deep target and the shallow draft.
 --t5_memory DIR writes one random T5 of 185M params (T5_MEMORY: 4 + 4 layers, d_model 1024,
 vocabulary 32128, untied head) into DIR and runs it loaded as bfloat16, scanned and unrolled:
 the rows' anonymous-memory columns against the weights' MiB show what loading and decoding hold.
+--gpt2_memory DIR does the same for a random GPT-2 of GPT-2 Medium's shape (GPT2_MEMORY: 355M
+params, tied head, float32 safetensors) loaded as float32, bfloat16 and int8.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -55,6 +59,22 @@ T5_DEPTHS = {"deep": 24, "shallow": 2}
 T5_MEMORY = dict(vocab_size=32128, d_model=1024, d_kv=64, num_heads=16, d_ff=2816,
                  feed_forward_proj="gated-gelu", num_layers=4, num_decoder_layers=4,
                  tie_word_embeddings=False)
+# --gpt2_memory: GPT-2 Medium's shape, 355M params (1.4 GB in float32), the table tied
+GPT2_MEMORY = dict(vocab_size=50257, n_positions=1024, d_model=1024, num_layers=24, num_heads=16,
+                   d_ff=4096)
+# Per family: the config its probes run under and the weight formats they load it in.
+MEMORY = {
+    "t5": ("t5_xl_small.py", {"bf16 scan": ("--config.target.dtype=bfloat16",
+                                            "--config.target.layers=scan"),
+                              "bf16 auto": ("--config.target.dtype=bfloat16",
+                                            "--config.target.layers=auto")}),
+    "gpt2": ("tiny.py", {f"{name}": (f"--config.target.dtype={dtype}",
+                                     f"--config.target.quant={quant}",
+                                     "--config.target.layout=in_out")
+                         for name, dtype, quant in (("f32", "float32", ""),
+                                                    ("bf16", "bfloat16", ""),
+                                                    ("int8", "float32", "int8"))}),
+}
 
 
 class ProbeError(ValueError):
@@ -222,28 +242,32 @@ def write_t5_pair(root: pathlib.Path) -> dict[str, pathlib.Path]:
   return dirs
 
 
-def write_t5_memory(root: pathlib.Path) -> pathlib.Path:
-  """A random T5 of T5_MEMORY's shape (HF layout, float32 safetensors, spm.model beside), reused
-  when DIR already holds it."""
+def write_memory_model(family: str, root: pathlib.Path) -> pathlib.Path:
+  """A random model of the family's memory shape (T5_MEMORY, GPT2_MEMORY; HF layout, float32
+  safetensors, spm.model beside: a larger embedding than the tokenizer is fine) in
+  root/FAMILY_memory, reused when DIR already holds it."""
   import jax
 
   from specjax.models import hf_import
-  from specjax.models.t5 import T5, T5Config
-  path = root / "t5_memory"
+  path = root / f"{family}_memory"
   if not (path / "model.safetensors").exists():
-    model = T5(T5Config(**T5_MEMORY))
+    if family == "t5":
+      from specjax.models.t5 import T5, T5Config
+      model = T5(T5Config(**T5_MEMORY))
+    else:
+      from specjax.models.decoder import Decoder, DecoderConfig
+      model = Decoder(DecoderConfig(**GPT2_MEMORY))
     hf_import.save_model(model, jax.jit(model.init_params)(jax.random.PRNGKey(0)), path)
     shutil.copy(_spm(root), path / "spm.model")
   return path
 
 
-def t5_memory_cases(path: pathlib.Path) -> list[Case]:
-  """Target-only runs of the T5_MEMORY model loaded as bfloat16, scanned and unrolled: the
+def memory_cases(family: str, path: pathlib.Path) -> list[Case]:
+  """Target-only runs of the family's memory model in each of MEMORY's weight formats: the
   loader's and the decoding loop's anonymous memory against the weights."""
-  common = ("--config.decode.max_new_tokens=4", "--config.target.dtype=bfloat16",
-            f"--config.target.checkpoint={path}", "--config.draft.checkpoint=")
-  return [Case(f"bf16 {layers}", (*common, f"--config.target.layers={layers}"))
-          for layers in ("scan", "auto")]
+  common = ("--config.decode.max_new_tokens=4", f"--config.target.checkpoint={path}",
+            "--config.draft.checkpoint=")
+  return [Case(name, (*common, *flags_)) for name, flags_ in MEMORY[family][1].items()]
 
 
 def t5_cases(dirs: dict[str, pathlib.Path]) -> list[Case]:
@@ -269,6 +293,7 @@ def parse_args(argv):
                  help="NAME=OVERRIDES: a case with its own --config.* flags (repeatable)")
   p.add_argument("--t5_benchmark", help="DIR for the random T5 pair of the depth benchmark")
   p.add_argument("--t5_memory", help="DIR for the random bfloat16-loaded T5 of the memory cases")
+  p.add_argument("--gpt2_memory", help="DIR for the random GPT-2 of the memory cases")
   p.add_argument("--repeats", type=int, default=1)
   p.add_argument("--output_json")
   p.add_argument("--output_md")
@@ -278,8 +303,10 @@ def parse_args(argv):
 def cases_from(args, overrides: list[str]) -> list[Case]:
   if args.t5_benchmark:
     return t5_cases(_written(write_t5_pair, pathlib.Path(args.t5_benchmark).absolute()))
-  if args.t5_memory:
-    return t5_memory_cases(_written(write_t5_memory, pathlib.Path(args.t5_memory).absolute()))
+  family = _memory_family(args)
+  if family:
+    root = pathlib.Path(getattr(args, f"{family}_memory")).absolute()
+    return memory_cases(family, _written(functools.partial(write_memory_model, family), root))
   cases = []
   for text in args.case:
     name, sep, flags_ = text.partition("=")
@@ -288,6 +315,10 @@ def cases_from(args, overrides: list[str]) -> list[Case]:
                        f"got {text!r}")
     cases.append(Case(name, (*overrides, *shlex.split(flags_))))
   return cases or [Case("run", tuple(overrides))]
+
+
+def _memory_family(args) -> str | None:
+  return next((f for f in MEMORY if getattr(args, f"{f}_memory")), None)
 
 
 def check_outputs(config: str, cases: list[Case], outs: dict) -> None:
@@ -312,12 +343,15 @@ def main(argv=None) -> int:
     flags.check_counts(repeats=args.repeats)
     out_json = flags.output_file(args.output_json, "--output_json")
     out_md = flags.output_file(args.output_md, "--output_md")
-    t5_dir = args.t5_benchmark or args.t5_memory
-    for flag in ("--t5_benchmark", "--t5_memory"):   # a file there was a FileExistsError traceback
-      if getattr(args, flag[2:]):
-        outputs.check_workdir(getattr(args, flag[2:]), flag)
-    config = "t5_xl_small.py" if t5_dir else args.config
-    probe_cases = None if t5_dir else cases_from(args, overrides)
+    given = [f for f in ("--t5_benchmark", "--t5_memory", "--gpt2_memory") if getattr(args, f[2:])]
+    if len(given) > 1:
+      raise ValueError(f"{' and '.join(given)}: give one of them per run")
+    for flag in given:                  # a file there was a FileExistsError traceback
+      outputs.check_workdir(getattr(args, flag[2:]), flag)
+    family = _memory_family(args)
+    written = bool(given)               # cases on checkpoints written here: none exist yet
+    config = (MEMORY[family][0] if family else "t5_xl_small.py" if written else args.config)
+    probe_cases = None if written else cases_from(args, overrides)
     check_outputs(config, probe_cases or [Case("run", tuple(overrides))],
                   {"--output_json": out_json, "--output_md": out_md})
     cases = probe_cases or cases_from(args, overrides)

@@ -131,6 +131,30 @@ def test_the_probe_samples_anonymous_memory():
   assert anon.take() >= anon.now() + 50
 
 
+@pytest.mark.slow   # writes a 355M-param GPT-2 (1.4 GB) and runs it six times (~70 s)
+def test_gpt2_memory_runs_each_weight_format_within_the_loaders_bound(tmp_path):
+  """`eval.startup --gpt2_memory DIR` (docs/results.md): float32, bfloat16 and int8 loads of a
+  GPT-2 Medium-shaped model decode within weights + largest tensor + 512 MiB, loading and
+  decoding (int8: each layer's kernel quantized as it is read, quant.put_layers; stacking the
+  float32 MLP kernels first put the int8 load 150 MiB over)."""
+  out = tmp_path / "rows.json"
+  assert startup.main(["--gpt2_memory", str(tmp_path / "gpt2"), "--output_json", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert sorted({r["case"] for r in rows}) == ["bf16", "f32", "int8"]
+  weights = {"f32": 1354, "bf16": 677, "int8": 540}                   # MiB, 355M params
+  for r in rows:
+    assert abs(r["weights_mb"] - weights[r["case"]]) < 20, r
+    assert r["load_anon_mb"] <= r["weights_mb"] + r["largest_mb"] + 512, r
+    assert r["anon_mb"] <= r["weights_mb"] + r["largest_mb"] + 512, r
+
+
+def test_one_written_model_per_run(tmp_path, capsys):
+  argv = ["--t5_memory", str(tmp_path / "a"), "--gpt2_memory", str(tmp_path / "b")]
+  assert startup.main(argv) == 2
+  assert "--t5_memory and --gpt2_memory: give one of them per run" in capsys.readouterr().err
+  assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 @pytest.mark.slow   # writes a 185M-param T5 (0.7 GB) and runs it four times (~30 s)
 def test_t5_memory_runs_the_bfloat16_t5_within_the_loaders_bound(tmp_path, capsys):
   """`eval.startup --t5_memory DIR` (README, docs/results.md): both layouts decode, the weights

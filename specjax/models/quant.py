@@ -37,8 +37,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from specjax.models import dense_layout
+from specjax.models import dense_layout, hf_tensors
 from specjax.models.hf_tensors import tree_set
 
 QUANTS = ("", "int8")      # "": the model dtype's dense layers
@@ -156,6 +157,27 @@ def put(params: dict, path: tuple[str, ...], value: jax.Array, quant: str) -> No
     tree_set(params, (*path[:-1], "scale"), scale)
   else:
     tree_set(params, path, value)
+
+
+def put_layers(params: dict, path: tuple[str, ...], read_layer, num_layers: int, dtype,
+               quant: str) -> None:
+  """`put` for a stacked leaf [L, ...] read a layer at a time (read_layer(i): layer i's array in
+  the model's orientation): with quant "int8" a kernel is cast to `dtype` and quantized layer by
+  layer into an int8 stack [L, in, out] with its scales [L, out], so the float stack (the MLP's,
+  the largest leaf of a deep model) is never held; other leaves are stacked in `dtype`
+  (hf_tensors.stack_layers). The bits are those of `put` on the float stack."""
+  if quant != "int8" or path[-1] != "kernel":
+    tree_set(params, path, hf_tensors.stack_layers(read_layer, num_layers, dtype))
+    return
+  kernels = scales = None
+  for i in range(num_layers):
+    kernel, scale = quantize_kernel(hf_tensors.to_device(read_layer(i), dtype))
+    if kernels is None:
+      kernels = np.empty((num_layers, *kernel.shape), np.int8)                # [L, in, out]
+      scales = np.empty((num_layers, *scale.shape), np.float32)              # [L, out]
+    kernels[i], scales[i] = kernel, scale
+  tree_set(params, path, jax.device_put(kernels))
+  tree_set(params, (*path[:-1], "scale"), jax.device_put(scales))
 
 
 def with_head(params: dict, quant: str, tied: bool) -> dict:

@@ -97,12 +97,12 @@ def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
     tree_set(params, path, hf_tensors.to_device(read(name), dt))
   for path, name in _HF_LAYER.items():
     layer = lambda i: orient(path, read(f"h.{i}.{name}"))
-    quant.put(params, ("layers",) + path, hf_tensors.stack_layers(layer, num_layers, dt), cfg.quant)
+    quant.put_layers(params, ("layers",) + path, layer, num_layers, dt, cfg.quant)
   for third, proj in enumerate(_QKV):
     for leaf, name in _C_ATTN.items():
       part = lambda i: orient((leaf,), np.split(read(f"h.{i}.{name}"), 3, axis=-1)[third])
-      quant.put(params, ("layers", "attention", proj, leaf),                     # [D, 3D] -> [D, D]
-                hf_tensors.stack_layers(part, num_layers, dt), cfg.quant)
+      quant.put_layers(params, ("layers", "attention", proj, leaf), part,   # [D, 3D] -> [D, D]
+                       num_layers, dt, cfg.quant)
   if not cfg.tie_word_embeddings:
     head = read("lm_head.weight").T                                         # [V, D] -> [D, V]
     quant.put(params, ("lm_head", "kernel"), hf_tensors.to_device(head, dt), cfg.quant)

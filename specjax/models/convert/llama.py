@@ -172,10 +172,8 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
       quant.put(params, path, jnp.asarray(_read(tensors, name, path, shape, cfg, dtype)),
                 cfg.quant)
       continue
-    stacked = np.empty(shape, dtype)                                           # [L, ...]
-    for i in range(cfg.num_layers):
-      stacked[i] = _read(tensors, name.format(i=i), path, shape[1:], cfg, dtype)
-    quant.put(params, path, jnp.asarray(stacked), cfg.quant)
+    layer = lambda i: _read(tensors, name.format(i=i), path, shape[1:], cfg, dtype)
+    quant.put_layers(params, path, layer, cfg.num_layers, dtype, cfg.quant)   # [L, ...]
   params = quant.with_head(params, cfg.quant, cfg.tie_word_embeddings)
   return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
 

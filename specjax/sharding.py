@@ -11,8 +11,9 @@ Parameter leaf name (fixed by docs/architecture.md) -> logical axes -> mesh axes
 and logical -> mesh: heads, kv_heads, mlp, vocab -> 'model' (tensor parallelism); batch ->
 'data'; embed, relpos, layers, length, head_dim -> replicated. Flax Dense leaves take their
 module's name: `query/kernel` is `query`, and `query/bias` gets the kernel's output axis
-(('heads',)). A model whose dense kernels are stored [out, in] (`layout="out_in"`,
-models/dense_layout.py) gets each Dense kernel's two axes swapped (`out` [D, H*Dh] is
+(('heads',)), as does an int8 layer's `query/scale` (models/quant.py). A model whose dense
+kernels are stored [out, in] (`layout="out_in"`, models/dense_layout.py) gets each Dense
+kernel's two axes swapped (`out` [D, H*Dh] is
 ('embed', 'heads')); its biases, the embedding and the LM head keep theirs. A leaf with one extra
 leading axis (scanned layers) gets 'layers' in front. Names
 outside the table, dimensions that the mesh axis does not divide, and leaves of another rank are
@@ -113,8 +114,8 @@ def leaf_axes(names: tuple[str, ...], ndim: int, layout: str = "in_out") -> tupl
     axes = PARAM_AXES.get(parent)
     if layout == OUT_IN and axes is not None and parent != "lm_head":
       axes = axes[::-1]
-  elif leaf == "bias" and parent in PARAM_AXES and len(PARAM_AXES[parent]) == 2:
-    axes = PARAM_AXES[parent][-1:]
+  elif leaf in ("bias", "scale") and parent in PARAM_AXES and len(PARAM_AXES[parent]) == 2:
+    axes = PARAM_AXES[parent][-1:]                  # a Dense bias or int8 scale: [out]
   else:
     axes = PARAM_AXES.get(leaf)
   if axes is None:

@@ -39,6 +39,10 @@ def test_rules_table_on_decoder_params():
   assert sharding.leaf_axes(("relpos_bias",), 2) == ("relpos", "heads")
   assert sharding.leaf_axes(("blocks", "wi_0", "kernel"), 3) == ("layers", "embed", "mlp")
   assert sharding.leaf_axes(("mystery",), 2) == (None, None)
+  # An int8 layer's scale [out] follows its kernel's output axis; a norm's scale stays 'embed'.
+  assert sharding.leaf_axes(("layers", "mlp", "wi", "scale"), 2) == ("layers", "mlp")
+  assert sharding.leaf_axes(("lm_head", "scale"), 1) == ("vocab",)
+  assert sharding.leaf_axes(("layers_0", "ln_1", "scale"), 1) == ("embed",)
 
 
 def test_spec_for_replicates_what_does_not_divide():

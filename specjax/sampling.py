@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +52,8 @@ class Warp:
       raise ValueError(f"per-row values of different lengths {sorted(rows)}: give every per-row "
                        f"value one entry per row of the batch")
     for t in _each(temperature):
-      if not t >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t}")
+      if not 0 <= t < math.inf:          # inf would sample uniformly, whatever the model says
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
     for k in _each(top_k):
       if k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")

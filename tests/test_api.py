@@ -146,7 +146,8 @@ BAD = [
                                     "are eps, kind"),
     (dict(rule="sprinter"), "takes verifier"),
     (dict(rule="slrs", eps=1), "takes no argument eps"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
     (dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
     (dict(gamma="4"), "gamma='4' is not an integer"),
     (dict(temperature="hot"), "temperature='hot' is not a number"),
@@ -199,6 +200,9 @@ def test_names_resolve_through_the_pair_sources(tmp_path, monkeypatch, models):
     specjax.load(str(tmp_path / "missing"))
   with pytest.raises(ValueError, match="layers='rows': use one of auto, scan, unrolled"):
     specjax.load(str(models["target"].path), layers="rows")
+  for rows in ((0,), (), (1.5,), (-2,), "abc", 5, (True,)):
+    with pytest.raises(ValueError, match=r"rows=.*: the widths the model runs at, a non-empty"):
+      specjax.load(str(models["target"].path), rows=rows)
 
 
 def test_the_readmes_python_examples_run(models, monkeypatch, capsys):
@@ -309,8 +313,17 @@ def test_a_draft_head_drafts_from_python(models, tmp_path):
   assert specjax.SpeculativeDecoder(target, loaded).name == "exact + head"
   with pytest.raises(specjax.UsageError, match="maps a draft model's vocabulary"):
     specjax.SpeculativeDecoder(target, loaded, rule="intersection")
-  with pytest.raises(specjax.UsageError, match="params.*not found.*student=head"):
+  with pytest.raises(specjax.UsageError, match="nothing' does not exist: pass the workdir of a "
+                                               "draft head run .*student=head"):
     specjax.draft_head(target, tmp_path / "nothing")
+  (tmp_path / "afile").write_text("x")
+  (tmp_path / "empty").mkdir()
+  for where, problem in ((tmp_path / "afile", "is a file, not a workdir"),
+                         (tmp_path / "empty", "holds no saved params"),
+                         ("pypi:qwen-coder/draft", "names a model; a draft head is loaded from"),
+                         (None, "=None: pass the workdir of a draft head run")):
+    with pytest.raises(specjax.UsageError, match=problem):
+      specjax.draft_head(target, where)
   other = DraftHead.for_target(dataclasses.replace(
       target.model, config=dataclasses.replace(target.model.config, d_model=16)))
   checkpoint.save_params(tmp_path / "other", other.init_params(jax.random.PRNGKey(0)))

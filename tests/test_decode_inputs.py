@@ -233,6 +233,32 @@ def test_truncate_left_keeps_bos_and_the_last_tokens(caplog):
   assert gen.lengths.tolist() == [8, 8]
 
 
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_a_cache_that_cannot_fit_in_memory_is_refused_before_compiling(monkeypatch, family):
+  """A model without a position table bounds no prompt, but max_new_tokens=10**9 would need a
+  cache of terabytes: refused with the memory and the most new tokens that fit (it compiled for
+  37 s and then failed to allocate)."""
+  from specjax.api.errors import UsageError
+  from specjax.models import llama
+  if family == "llama":
+    model = llama.Llama(llama.LlamaConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2,
+                                          num_kv_heads=1, head_dim=8, d_ff=32, bos_token_id=3,
+                                          eos_token_id=1))
+  else:
+    model = t5.T5(t5.T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_heads=2,
+                              num_layers=1, num_decoder_layers=1))
+  loaded = resolve.LoadedModel(model, None, _Chars(), Path("."))
+  monkeypatch.setattr(prompt_fit, "memory_bytes", lambda: 2**30)
+  fine = methods.Autoregressive(target=loaded, settings=_settings(max_new_tokens=1000))
+  assert fine.prepare(["abc"]).target.lengths.tolist() == [4]      # BOS or EOS + 3
+  huge = methods.Autoregressive(target=loaded, settings=_settings(max_new_tokens=10**9))
+  with pytest.raises(UsageError, match=r"--config.decode.max_new_tokens=1000000000: the target's "
+                                       r"KV cache would take .* GiB .* more than the 1 GiB of "
+                                       r"memory here: lower --config.decode.max_new_tokens "
+                                       r"\(at most about"):
+    huge.prepare(["abc"])
+
+
 def test_a_t5_encoder_is_bounded_by_max_len_and_keeps_its_eos():
   cfg = t5.T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_heads=2, num_layers=1,
                     num_decoder_layers=1)

@@ -247,6 +247,7 @@ def test_the_config_flag_cuts_the_head(monkeypatch):
   target, full = _loaded("llama")
   monkeypatch.setattr(methods, "load_placed", lambda *a, **k: target)
   monkeypatch.setattr(methods, "draft_head", lambda *a, **k: full)
+  monkeypatch.setattr(methods, "check_head_dir", lambda *a: None)       # "somewhere" is fake
   args = ["--config.draft.method=head", "--config.draft.checkpoint=somewhere"]
   config = load_config("tiny.py", [*args, "--config.draft.vocab_top_k=99"])
   with pytest.raises(ConfigError, match="--config.draft.vocab_top_k=99: choose a whole number"):

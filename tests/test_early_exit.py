@@ -58,6 +58,34 @@ def test_the_config_names_the_flag(monkeypatch):
     speculative(config)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--config.draft.exit_layer=4"], "exit_layer=4 is a setting of --config.draft.method="
+                                      "early_exit, and this section drafts with model"),
+    (["--config.draft.method=early_exit", "--config.draft.exit_layer=2",
+      "--config.draft.ngram_max=5"], "ngram_max=5 is a setting of --config.draft.method=ngram"),
+    (["--config.draft.method=ngram", "--config.rule.name=slem"],
+     "method=ngram cannot serve method slem"),
+    (["--config.draft.method=head", "--config.rule.name=slrs"],
+     "method=head cannot serve method slrs"),
+    (["--config.draft.method=early_exit", "--config.draft.exit_layer=2",
+      "--config.rule.name=sprinter", "--config.rule.verifier=V"],
+     "method=early_exit cannot serve method sprinter"),
+    (["--config.draft.method=head"], "draft.checkpoint='builtin:tiny/draft.*' names a model; a "
+                                     "draft head is loaded from the workdir"),
+    (["--config.draft.method=head", "--config.draft.checkpoint=/nonexistent/head"],
+     "'/nonexistent/head' does not exist: pass the workdir of a draft head run")])
+def test_drafter_settings_the_method_does_not_read_are_refused(monkeypatch, flags, message):
+  """A drafter field for another method, or a drafter for a method that drafts with a model
+  of its own (slem, slrs, sprinter), is refused before any model loads (it was ignored)."""
+  from specjax.app import methods
+  monkeypatch.setattr(methods, "load_placed", lambda *a, **k: pytest.fail("loaded a model"))
+  monkeypatch.setattr(methods.resolve, "checkpoint_dir", lambda *a: pytest.fail("fetched"))
+  monkeypatch.setattr(methods.sprinter_verifier, "load", lambda path: (None, None, {}))
+  monkeypatch.setattr(methods.sprinter_verifier, "decode_settings", lambda meta, t, g: (0.5, 4))
+  with pytest.raises(ConfigError, match=message):
+    methods.build(load_config("tiny.py", flags))
+
+
 @pytest.mark.parametrize("make", [specjax.early_exit, lambda m, k: specjax.sub_vocab(m, k)])
 def test_a_name_instead_of_a_loaded_model_is_refused(make):
   with pytest.raises(specjax.UsageError, match=r"=str: pass a loaded model, specjax.load"):

@@ -48,6 +48,20 @@ def test_the_latest_match_followed_by_gamma_tokens_wins():
   assert _propose([[1, 4, 4, 4, 4, 4]], [[4]]) == [[4, 4, 4]]
 
 
+def test_a_window_longer_than_the_stream_matches_what_fits(monkeypatch):
+  """ngram_max past the stream's length (prompt width + output width) looks up only the
+  windows that fit (each window is traced, and 10**5 of them never finished compiling)."""
+  from specjax.drafting import ngram
+  rows = ([[1, 8, 5, 7, 8, 9, 10, 11]], [[7, 8]])
+  windows, match = [], ngram.best_match
+  monkeypatch.setattr(ngram, "best_match", lambda stream, end, n, gamma: (
+      windows.append(n) if len(windows) < 100 else pytest.fail("traced 100 windows"),
+      match(stream, end, n, gamma))[1])
+  assert _propose(*rows, drafter=NGram(ngram_max=10**5)) == [[9, 10, 11]]
+  assert max(windows) == 8 + 3 - 1 and len(windows) == max(windows)   # stream: 8 + 3 wide
+  assert _propose(*rows) == [[9, 10, 11]]
+
+
 def test_bad_windows_are_refused():
   for lo, hi in ((0, 3), (3, 2), (1.5, 3)):
     with pytest.raises(ValueError, match="1 <= ngram_min <= ngram_max"):

@@ -7,6 +7,8 @@ drafting/ngram.NGram."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 from typing import Any, ClassVar
 
 import jax
@@ -148,6 +150,7 @@ def draft_head(target: LoadedModel, path: str, flag: str = "draft") -> LoadedHea
   another target is refused, naming the tensor whose shape differs. sub_vocab(head, k,
   target=target) cuts its vocabulary. `flag` names the setting in errors."""
   model = _loaded(target, "target").model
+  check_head_dir(path, flag)
   try:
     head = DraftHead.for_target(model)
   except ValueError as err:
@@ -158,6 +161,27 @@ def draft_head(target: LoadedModel, path: str, flag: str = "draft") -> LoadedHea
     raise UsageError(f"{flag}={str(path)!r}: {err} (a draft head is trained with "
                      f"`python -m train.distill --config.distill.student=head`)") from None
   return LoadedHead(drafter=HeadDrafter(head=head), params=params, path=str(path))
+
+
+HEAD_RUN = "python -m train.distill --config.distill.student=head --workdir WORKDIR"
+
+
+def check_head_dir(path, flag: str) -> None:
+  """UsageError unless `path` is a directory holding saved params (a head run's workdir);
+  `flag` names the setting."""
+  if not isinstance(path, (str, os.PathLike)) or not str(path):
+    raise UsageError(f"{flag}={path!r}: pass the workdir of a draft head run ({HEAD_RUN})")
+  where = pathlib.Path(path)
+  if not where.exists() and ":" in str(path):
+    raise UsageError(f"{flag}={str(path)!r} names a model; a draft head is loaded from the "
+                     f"workdir of its training run ({HEAD_RUN})")
+  problem = ("does not exist" if not where.exists() else
+             "is a file, not a workdir" if not where.is_dir() else
+             "holds no saved params (a head run saves them when it finishes or is stopped)"
+             if not (where / "params").exists() else "")
+  if problem:
+    raise UsageError(f"{flag}={str(path)!r} {problem}: pass the workdir of a draft head run "
+                     f"({HEAD_RUN})")
 
 
 def _cut_draft_head(loaded: LoadedHead, k, counts, flag: str, target) -> LoadedHead:

@@ -160,6 +160,9 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
                      f"faster) or '' for {dtype} weights")
   if layout not in DENSE_LAYOUTS:
     raise ValueError(f"layout={layout!r}: use one of {', '.join(DENSE_LAYOUTS)}")
+  if rows is not None and not _widths(rows):
+    raise ValueError(f"rows={rows!r}: the widths the model runs at, a non-empty tuple of whole "
+                     f"numbers >= 1 (e.g. (1, 5): a decoding step and gamma 4's verify pass)")
   if layout == dense_layout.OUT_IN and quant == "int8":
     raise ValueError(f"layout={layout!r} applies to float weights; quant={quant!r} kernels are "
                      f"stored [in, out]: use layout='auto' or 'in_out'")
@@ -182,6 +185,11 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   check_vocab(role, model.vocab_size, tok, fix)
   return LoadedModel(model=model, params=jax.device_put(params), tokenizer=tok, path=path)
 
+
+
+def _widths(rows) -> bool:
+  whole = lambda r: isinstance(r, int) and not isinstance(r, bool) and r >= 1
+  return isinstance(rows, (tuple, list)) and len(rows) > 0 and all(whole(r) for r in rows)
 
 
 def _int8_product() -> str:

@@ -211,8 +211,17 @@ class Method:
     room = self.room(loaded)
     rows = prompt_fit.fit(rows, texts, room, truncate=self.settings.truncate,
                           encoder_decoder=encoder_decoder, bos=prompting.has_bos(loaded.tokenizer))
-    return prompting.batch(rows, loaded.tokenizer.pad_id, None if room is None else room.longest,
-                           minimum=width)
+    prompt = prompting.batch(rows, loaded.tokenizer.pad_id,
+                             None if room is None else room.longest, minimum=width)
+    if room is None:                                  # no position table: memory is the bound
+      reserve, (batch, wide) = self.reserve(loaded), prompt.tokens.shape
+      new = self.settings.max_new_tokens
+      # A T5 decoder's cache holds at least the new tokens (its prompt is in the encoder).
+      positions = ((0 if encoder_decoder else wide) + max(reserve.per_token, 1) * new
+                   + reserve.fixed)
+      prompt_fit.check_cache_memory(loaded.model, self.role(loaded), batch, positions,
+                                    wide if encoder_decoder else 0, new, self.arg_prefix)
+    return prompt
 
   def _rows(self, loaded: LoadedModel, texts) -> list[list[int]]:
     encoder_decoder = loaded.model.is_encoder_decoder

@@ -12,12 +12,21 @@ token is 5 draft tokens: 256 - (5 * 64 + 4) < 0, no prompt fits, and max_new_tok
 max_new_tokens here is the limit itself, never the bucket the loops compile for
 (decoding/state.new_tokens_bucket): a prompt that fits 40 new tokens is not refused because 40's
 bucket is 64 (a cache sized by the loop holds the bucket only where the position table allows).
+
+A model without a position table (rotary, relative) bounds no prompt, but its cache must still
+fit in memory: `check_cache_memory` refuses a call whose KV cache alone would outgrow the
+machine (max_new_tokens=10**9 once compiled for 37 s and then failed to allocate 28 TB).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+
+import jax
+
+from specjax.api.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -119,3 +128,28 @@ def _cut_left(row: list[int], room: Room, head: int, text: str) -> list[int]:
               "(--config.decode.truncate=left)", _quote(text), len(row) - len(kept), len(row),
               room.model)
   return kept
+
+
+def memory_bytes() -> int:
+  """The memory a cache can live in: the default device's (bytes_limit, GPU / TPU), else the
+  host's physical memory (CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]) * jax.device_count()
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_cache_memory(model, model_name: str, batch: int, positions: int, enc_len: int,
+                       max_new_tokens: int, prefix: str) -> None:
+  """UsageError naming max_new_tokens when `model`'s KV cache of `positions` x `batch` rows
+  (abstract: nothing is allocated) takes more than memory_bytes()."""
+  cache = jax.eval_shape(lambda: model.init_cache(batch, positions, enc_len))
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  have = memory_bytes()
+  if need <= have:
+    return
+  most = max(int(max_new_tokens * have / need), 1)
+  raise UsageError(f"{prefix}max_new_tokens={max_new_tokens}: {model_name}'s KV cache would take "
+                   f"{need / 2**30:,.0f} GiB ({positions:,} positions x {batch} rows), more "
+                   f"than the {have / 2**30:,.0f} GiB of memory here: lower {prefix}max_new_tokens "
+                   f"(at most about {most:,})")

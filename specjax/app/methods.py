@@ -19,7 +19,7 @@ from specjax import sharding
 from specjax.acceptance import registry
 from specjax.api import methods as api_methods
 from specjax.api import rules as api_rules
-from specjax.api.drafters import draft_head, early_exit, sub_vocab
+from specjax.api.drafters import check_head_dir, draft_head, early_exit, sub_vocab
 from specjax.api.errors import UsageError
 from specjax.api.loading import LoadedModel
 from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Prompts,  # noqa: F401
@@ -142,10 +142,28 @@ def drafter_settings(config, role: str = "draft") -> DrafterSettings:
                       f"drafts), ngram (prompt lookup), early_exit (the target's first "
                       f"--config.{role}.exit_layer layers) or head (a draft head: "
                       f"--config.{role}.checkpoint=its train.distill workdir)")
+  default = DrafterSettings()
+  for field, method in _READ_BY.items():
+    if spec.method != method and getattr(spec, field) != getattr(default, field):
+      raise ConfigError(f"--config.{role}.{field}={getattr(spec, field)!r} is a setting of "
+                        f"--config.{role}.method={method}, and this section drafts with "
+                        f"{spec.method}: drop it or set the method")
   return spec
 
 
 DRAFTERS = ("model", "ngram", "early_exit", "head")
+_READ_BY = {"ngram_max": "ngram", "ngram_min": "ngram", "exit_layer": "early_exit"}
+
+
+def _model_drafts(config, role: str, method: str) -> None:
+  """ConfigError when the draft section asks for a drafter other than a model: `method` (slem,
+  slrs, sprinter) drafts with a draft model of its own."""
+  drafter_method = drafter_settings(config, role).method
+  if drafter_method != "model":
+    raise ConfigError(f"--config.{role}.method={drafter_method} cannot serve method {method} "
+                      f"(--config.rule.name), which drafts with a draft model "
+                      f"(--config.{role}.checkpoint): use --config.{role}.method=model, or an "
+                      f"acceptance rule such as exact with {drafter_method}")
 
 
 def drafter(config, role: str = "draft") -> NGram | None:
@@ -208,6 +226,10 @@ def _head_method(config, role: str, mesh, rule_cls) -> Speculative:
   if not path:
     raise ConfigError(f"--config.{role}.method=head needs {flag}=WORKDIR: the workdir of "
                       f"`python -m train.distill --config.distill.student=head`")
+  try:
+    check_head_dir(path, flag)                      # before the target loads
+  except UsageError as err:
+    raise ConfigError(str(err)) from None
   target = load_placed(config, "target", mesh, target=True)
   k = drafter_settings(config, role).vocab_top_k
   try:
@@ -252,6 +274,7 @@ def sprinter(config, draft_role: str = "draft") -> Sprinter:
     check_sprinter(threshold, gamma_max)
   except ValueError as err:
     raise ConfigError(f"the verifier in {hp.verifier} was saved with {err}") from None
+  _model_drafts(config, draft_role, "sprinter")
   mesh = mesh_from_config(config)
   target, draft = _load_pair(config, "target", draft_role, mesh)
   try:
@@ -271,6 +294,7 @@ def string_level(config, draft_role: str = "draft") -> StringLevel:
   if mesh_from_config(config) is not None:
     raise ConfigError(f"method {method} is host-driven and runs on one device: set "
                       f"--config.mesh.data=1 --config.mesh.model=1")
+  _model_drafts(config, draft_role, method)
   target, draft = _load_pair(config, "target", draft_role)
   return StringLevel(target=target, settings=builders.decode_settings(config), draft=draft,
                      method=method, max_depth=hp.max_depth)

@@ -38,8 +38,9 @@ class Mixture:
       value = getattr(self, name)
       if not 0.0 <= value <= 1.0:
         raise ValueError(f"mixture {name} must lie in [0, 1], got {value}")
-    if self.temperature < 0:
-      raise ValueError(f"sampling temperature must be >= 0, got {self.temperature}")
+    if not 0 <= self.temperature < float("inf"):
+      raise ValueError(f"sampling temperature must be a finite number >= 0, got "
+                       f"{self.temperature}")
 
   def source(self, step: int) -> str:
     """FIXED / STUDENT / TEACHER for this step; deterministic in (seed, step)."""

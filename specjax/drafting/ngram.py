@@ -71,7 +71,10 @@ class NGram(Drafter):
     below lengths [B]) -> (drafts [B, gamma] int32, 0 past each row's count; count [B])."""
     stream, end = committed_stream(history, history_len, tokens, lengths)
     start = jnp.full(end.shape, -1, jnp.int32)
-    for n in range(self.ngram_max, self.ngram_min - 1, -1):
+    # An n-gram with a token after it fits in a stream of more than n tokens: longer windows
+    # match nothing, and tracing them all (ngram_max 10**5) would not finish compiling.
+    longest = min(self.ngram_max, stream.shape[1] - 1)
+    for n in range(longest, self.ngram_min - 1, -1):
       found = best_match(stream, end, n, gamma)                           # [B], -1: none
       start = jnp.where((start < 0) & (found >= 0), found + n, start)
     t = start[:, None] + jnp.arange(gamma)[None, :]                      # [B, K]

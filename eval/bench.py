@@ -315,9 +315,7 @@ def check(args) -> tuple[list[str], list[int], tuple[int, ...]]:
   if unknown or not names:
     raise ValueError(f"--shapes {args.shapes!r}: choose from {', '.join(SHAPES)}")
   batches = flags.parse_gammas(args.batches, "--batches")
-  gammas = flags.parse_gammas(args.gammas, "--gammas")
-  if not batches or not gammas:
-    raise ValueError("--batches and --gammas need at least one value each")
+  gammas = flags.parse_gammas(args.gammas, "--gammas")         # an empty list is refused
   flags.check_counts(scale=args.scale, prompt_len=args.prompt_len, repeats=args.repeats,
                      probe_steps=args.probe_steps, new_tokens=args.new_tokens - 1)
   encoder_decoder = [s for s in names if SHAPES[s][0]["model_type"] == "t5"]

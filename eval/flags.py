@@ -16,10 +16,17 @@ def check_counts(**counts: int) -> None:
       raise ValueError(f"--{name} must be at least 1, got {value}")
 
 
-def parse_gammas(text: str, flag: str = "--gamma") -> list[int]:
-  """'1,3,5' -> [1, 3, 5]; '' -> [] (the config's gamma). `flag` names the flag in errors."""
+def parse_gammas(text: str | None, flag: str = "--gamma") -> list[int]:
+  """'1,3,5' -> [1, 3, 5]; None (the flag not given) -> [] (the caller's default). An empty
+  list or item ('', '3,,4') is refused. `flag` names the flag in errors."""
+  if text is None:
+    return []
+  items = text.split(",")
+  if not all(g.strip() for g in items):
+    raise ValueError(f"{flag} {text!r} has an empty value: give comma-separated whole numbers, "
+                     f"e.g. 1,3,5 (or leave {flag} out for its default)")
   try:
-    gammas = [int(g) for g in text.split(",") if g.strip()]
+    gammas = [int(g) for g in items]
   except ValueError:
     raise ValueError(f"{flag} must be comma-separated whole numbers, e.g. 1,3,5; "
                      f"got {text!r}") from None

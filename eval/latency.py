@@ -43,7 +43,7 @@ from specjax.app.config import input_paths, load_config
 def parse_args(argv):
   p = cli.parser("python -m eval.latency", __doc__)
   p.add_argument("--config", default="tiny.py")
-  p.add_argument("--gamma", default="", help="comma-separated gammas to sweep (default: config)")
+  p.add_argument("--gamma", help="comma-separated gammas to sweep (default: the config's)")
   p.add_argument("--num_prompts", type=int, default=8)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--probe_steps", type=int, default=32,

@@ -285,9 +285,12 @@ def t5_cases(dirs: dict[str, pathlib.Path]) -> list[Case]:
   return cases
 
 
+DEFAULT_CONFIG = "tiny.py"
+
+
 def parse_args(argv):
   p = cli.parser("python -m eval.startup", __doc__)
-  p.add_argument("--config", default="tiny.py")
+  p.add_argument("--config", default=DEFAULT_CONFIG)
   p.add_argument("--prompt", default="def f(x):")
   p.add_argument("--case", action="append", default=[],
                  help="NAME=OVERRIDES: a case with its own --config.* flags (repeatable)")
@@ -315,6 +318,17 @@ def cases_from(args, overrides: list[str]) -> list[Case]:
                        f"got {text!r}")
     cases.append(Case(name, (*overrides, *shlex.split(flags_))))
   return cases or [Case("run", tuple(overrides))]
+
+
+def check_no_case_flags(args, overrides: list[str], flag: str) -> None:
+  """Refuse --config, --case and --config.* overrides with `flag` (--t5_benchmark, --t5_memory,
+  --gpt2_memory), whose cases and config are fixed: they would be ignored."""
+  ignored = ([f"--config {args.config}"] if args.config != DEFAULT_CONFIG else []) + \
+      [f"--case {c}" for c in args.case] + list(overrides)
+  if ignored:
+    raise ValueError(f"{flag} runs fixed cases under a config of its own, and would ignore "
+                     f"{' '.join(ignored)}: drop {'it' if len(ignored) == 1 else 'them'}, or "
+                     f"leave out {flag} to time that config")
 
 
 def _memory_family(args) -> str | None:
@@ -346,6 +360,8 @@ def main(argv=None) -> int:
     given = [f for f in ("--t5_benchmark", "--t5_memory", "--gpt2_memory") if getattr(args, f[2:])]
     if len(given) > 1:
       raise ValueError(f"{' and '.join(given)}: give one of them per run")
+    if given:
+      check_no_case_flags(args, overrides, given[0])
     for flag in given:                  # a file there was a FileExistsError traceback
       outputs.check_workdir(getattr(args, flag[2:]), flag)
     family = _memory_family(args)

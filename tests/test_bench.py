@@ -65,6 +65,7 @@ def test_a_small_run_writes_its_records_and_a_second_run_resumes(tmp_path, capsy
     (["--alpha", "1.5"], "a probability"),
     (["--peak", "fast"], "'TBps,TFLOPs'"),
     (["--batches", "0"], "at least 1"),
+    (["--gammas", ""], "--gammas '' has an empty value"),
     (["--new_tokens", "1"], "must be at least 1"),
     (["--quant", "int8", "--shapes", "qwen2.5-7b,t5-xl"], "t5-xl has no int8 layers"),
 ])

@@ -180,10 +180,10 @@ CASES = [
     # T17: a bad value of the pretrain section is named by the pretrain flag
     case("pretrain-steps-negative", "train.pretrain",
          [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.pretrain.steps=-1"], 2,
-         "--config.pretrain: steps must be >= 0, got -1", ["{tmp}/w"]),
+         "--config.pretrain: steps must be >= 1, got -1", ["{tmp}/w"]),
     case("train-steps-negative-when-distilling", "train.distill",
          [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.train.steps=-1"], 2,
-         "--config.train: steps must be >= 0, got -1", ["{tmp}/w"]),
+         "--config.train: steps must be >= 1, got -1", ["{tmp}/w"]),
     # 6: a workdir from before run.json: its checkpoint's metadata tells the job that wrote it
     case("distill-in-an-old-pretrain-workdir", "train.distill",
          [*TRAIN, NO_TEACHER, "--workdir", "{old_pretrained}", "--config.train.steps=2"], 2,
@@ -245,6 +245,62 @@ CASES = [
          "--t5_benchmark {cfg} is a file, not a directory: choose another path", ["{cfg}"]),
     case("startup-t5-memory-is-a-file", "eval.startup", ["--t5_memory", "{cfg}"], 2,
          "--t5_memory {cfg} is a file, not a directory: choose another path", ["{cfg}"]),
+    # ------------------------------------------------------------- probe round 4 (7, 9-12)
+    case("target-dtype-unknown", "specjax.decode",
+         ["--config", "tiny.py", MISSING, "--config.target.dtype=float16", "--prompt", "x"], 2,
+         "--config.target: dtype='float16': use one of float32, bfloat16"),
+    case("draft-dtype-unknown-before-the-target-loads", "specjax.decode",   # draft not loadable
+         ["--config", "tiny.py", "--config.target.checkpoint={target}",
+          "--config.draft.checkpoint=/nonexistent/specjax-draft", "--config.draft.dtype=bf16",
+          "--prompt", "x"], 2, "--config.draft: dtype='bf16': use one of float32, bfloat16",
+         needs=["pair"]),
+    case("target-int8-out-in", "specjax.decode",
+         ["--config", "tiny.py", MISSING, "--config.target.quant=int8",
+          "--config.target.layout=out_in", "--prompt", "x"], 2,
+         "--config.target: layout=out_in applies to float weights; quant=int8 kernels are "
+         "stored [in, out]: use layout=auto or in_out"),
+    case("distill-student-unknown", "train.distill",
+         [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.distill.student=bogus"], 2,
+         "--config.distill: student must be one of draft, head, got 'bogus'", ["{tmp}/w"]),
+    case("distill-cache-batches-negative", "train.distill",
+         [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.distill.cache_batches=-1"], 2,
+         "--config.distill: cache_batches must be >= 0 and cache_top_k >= 1, got -1 and 64",
+         ["{tmp}/w"]),
+    case("distill-cache-top-k-zero", "train.distill",
+         [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.distill.cache_top_k=0"], 2,
+         "--config.distill: cache_batches must be >= 0 and cache_top_k >= 1, got 0 and 0",
+         ["{tmp}/w"]),
+    # a file as the written models' directory stops a run that got past the check under test
+    case("startup-gpt2-memory-with-config", "eval.startup",
+         ["--gpt2_memory", "{cfg}", "--config", "qwen_coder.py"], 2,
+         "--gpt2_memory runs fixed cases under a config of its own, and would ignore --config "
+         "qwen_coder.py: drop it", ["{cfg}"]),
+    case("startup-t5-memory-with-case", "eval.startup",
+         ["--t5_memory", "{cfg}", "--case", "g2=--config.decode.gamma=2"], 2,
+         "--t5_memory runs fixed cases under a config of its own, and would ignore --case "
+         "g2=--config.decode.gamma=2", ["{cfg}"]),
+    case("startup-t5-benchmark-with-override", "eval.startup",
+         ["--t5_benchmark", "{cfg}", "--config.decode.max_new_tokens=64"], 2,
+         "--t5_benchmark runs fixed cases under a config of its own, and would ignore "
+         "--config.decode.max_new_tokens=64", ["{cfg}"]),
+    case("startup-gpt2-memory-with-the-default-config", "eval.startup",   # not refused
+         ["--gpt2_memory", "{cfg}", "--config", "tiny.py"], 2,
+         "--gpt2_memory {cfg} is a file, not a directory", ["{cfg}"]),
+    case("matmul-rows-empty", "eval.matmul", [*MATMUL, "--rows", ""], 2,
+         "--rows '' has an empty value: give comma-separated whole numbers, e.g. 1,3,5 (or leave "
+         "--rows out for its default)"),
+    case("latency-gamma-empty", "eval.latency",
+         ["--config", "tiny.py", MISSING, "--gamma", ""], 2, "--gamma '' has an empty value"),
+    case("latency-gamma-empty-item", "eval.latency",
+         ["--config", "tiny.py", MISSING, "--gamma", "3,,4"], 2,
+         "--gamma '3,,4' has an empty value"),
+    case("train-steps-zero", "train.distill",
+         [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.train.steps=0"], 2,
+         "--config.train: steps must be >= 1, got 0 (0 steps would export the untrained "
+         "initial params", ["{tmp}/w"]),
+    case("pretrain-steps-zero", "train.pretrain",
+         [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.pretrain.steps=0"], 2,
+         "--config.pretrain: steps must be >= 1, got 0", ["{tmp}/w"]),
 ]
 
 

@@ -114,4 +114,4 @@ def test_negative_steps_are_refused_before_anything_runs(monkeypatch, capsys):
   rc = distill.main(["--config", "distill_tiny.py", "--workdir", "/nonexistent/never",
                      "--config.train.steps=-3"])
   assert rc == 2
-  assert "--config.train: steps must be >= 0, got -3" in capsys.readouterr().err
+  assert "--config.train: steps must be >= 1, got -3" in capsys.readouterr().err

@@ -112,7 +112,7 @@ def test_lower_steps_on_a_finished_workdir_do_nothing(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("steps", -1, "steps must be >= 0, got -1"),
+    ("steps", -1, "steps must be >= 1, got -1"),
     ("batch_size", 0, "batch_size must be >= 1, got 0"),
     ("learning_rate", -1e-3, "learning_rate must be >= 0"),
     ("checkpoint_every", 0, "checkpoint_every must be >= 1"),

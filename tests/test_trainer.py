@@ -113,7 +113,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, monkeypatch):
   monkeypatch.undo()
   with pytest.raises(ValueError, match="needs a teacher"):
     trainer.Trainer(cfg, student, None, source, tmp_path, eos_id=1)
-  with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
+  with pytest.raises(ValueError, match="steps must be >= 1, got -1"):
     trainer.TrainConfig(steps=-1)
   # A workdir holding another model's checkpoint: both models and their shapes named, nothing
   # overwritten.

@@ -18,6 +18,7 @@ import jax
 
 from specjax import checkpoint as ckpt_lib
 from specjax.acceptance import registry
+from specjax.api.loading import DTYPES
 from specjax.api.methods import DecodeSettings
 from specjax.app.config import ConfigError
 from specjax.distill import data as distill_data
@@ -163,6 +164,8 @@ class ModelSpec:
   layout: str = "auto"           # auto | in_out | out_in
 
   def __post_init__(self):
+    if self.dtype not in DTYPES:
+      raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
     if self.quant not in quant_lib.CHOICES:
       raise ValueError(f"quant={self.quant!r}: use int8, auto (int8 where this machine runs it "
                        f"faster) or '' for {self.dtype} weights")
@@ -170,6 +173,9 @@ class ModelSpec:
       raise ValueError(f"layers={self.layers!r}: use one of {', '.join(model_layers.LAYOUTS)}")
     if self.layout not in DENSE_LAYOUTS:
       raise ValueError(f"layout={self.layout!r}: use one of {', '.join(DENSE_LAYOUTS)}")
+    if self.layout == "out_in" and self.quant == "int8":
+      raise ValueError("layout=out_in applies to float weights; quant=int8 kernels are stored "
+                       "[in, out]: use layout=auto or in_out, or quant=''")
     if self.layout == "out_in" and self.init_from:
       raise ValueError(f"layout=out_in with init_from={self.init_from}: the trainers export "
                        f"[in, out] kernels; use layout=auto or in_out")
@@ -239,7 +245,7 @@ def train_config(config, pretrain: bool = False) -> TrainConfig:
   if pretrain:
     own = {k: v for k, v in section(config, "pretrain").items() if k != "model"}
     values.update(own, loss="nll", lambda1=1.0, lambda2=0.0)
-    return _pretrain_config(values, own)
+    return _section_config(values, own, "pretrain")
   d = section(config, "distill")
   if d.get("recipe"):
     r = distill_data.recipe(d["recipe"])
@@ -250,18 +256,25 @@ def train_config(config, pretrain: bool = False) -> TrainConfig:
   values.update(beta=d.get("beta", 0.5), temperature=d.get("temperature", 1.0),
                 student=d.get("student", "draft"))
   values.update({k: d[k] for k in ("cache_batches", "cache_top_k", "cache_dir") if k in d})
-  return typed(TrainConfig, values, "train")
+  return _section_config(values, DISTILL_FIELDS, "distill")
 
 
-def _pretrain_config(values: dict, own: dict) -> TrainConfig:
-  """TrainConfig of train.pretrain: a bad value that the `pretrain` section set is named by its
-  own flag (--config.pretrain.steps), not the `train` field it replaces."""
+# TrainConfig fields that train.distill takes from the distill section (or its recipe)
+DISTILL_FIELDS = ("loss", "lambda1", "lambda2", "beta", "temperature", "student",
+                  "cache_batches", "cache_top_k", "cache_dir")
+
+
+def _section_config(values: dict, fields, name: str) -> TrainConfig:
+  """TrainConfig of `values`: a bad value of one of `fields`, which section `name` sets, is named
+  by that section's flag (--config.pretrain.steps, --config.distill.student), not the `train`
+  field it replaces."""
   try:
     return typed(TrainConfig, values, "train")
   except ConfigError as err:
     text = str(err)
-    if any(f"train.{k}=" in text or f"train: {k} " in text for k in own):
-      raise ConfigError(text.replace("--config.train", "--config.pretrain", 1)) from None
+    if any(f"train.{k}=" in text or f"train: {k} " in text or f"train: {k}=" in text
+           for k in fields):
+      raise ConfigError(text.replace("--config.train", f"--config.{name}", 1)) from None
     raise
 
 

@@ -93,8 +93,9 @@ class TrainConfig:
   progress: bool = True
 
   def __post_init__(self):
-    if self.steps < 0:
-      raise ValueError(f"steps must be >= 0, got {self.steps}")
+    if self.steps < 1:
+      raise ValueError(f"steps must be >= 1, got {self.steps} (0 steps would export the "
+                       "untrained initial params as the run's result)")
     for name in ("batch_size", "log_every", "eval_prompts"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

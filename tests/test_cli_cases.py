@@ -254,11 +254,6 @@ CASES = [
           "--config.draft.checkpoint=/nonexistent/specjax-draft", "--config.draft.dtype=bf16",
           "--prompt", "x"], 2, "--config.draft: dtype='bf16': use one of float32, bfloat16",
          needs=["pair"]),
-    case("target-int8-out-in", "specjax.decode",
-         ["--config", "tiny.py", MISSING, "--config.target.quant=int8",
-          "--config.target.layout=out_in", "--prompt", "x"], 2,
-         "--config.target: layout=out_in applies to float weights; quant=int8 kernels are "
-         "stored [in, out]: use layout=auto or in_out"),
     case("distill-student-unknown", "train.distill",
          [*TRAIN, NO_TEACHER, "--workdir", "{tmp}/w", "--config.distill.student=bogus"], 2,
          "--config.distill: student must be one of draft, head, got 'bogus'", ["{tmp}/w"]),

@@ -91,18 +91,14 @@ def test_hf_round_trip_is_exact_in_both_layouts(family, scan, tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
 
 
-def test_int8_keeps_its_layout_and_bad_layouts_are_refused():
-  with pytest.raises(ValueError, match=r"layout 'out_in' applies to float weights.*in_out"):
-    _llama(quant="int8", layout="out_in")
-  assert _llama(quant="int8").config.layout == "in_out"
+def test_bad_layouts_are_refused():
+  assert _llama(quant="int8", layout="out_in").config.layout == "out_in"   # int8 takes both
   for make in FAMILIES.values():
     with pytest.raises(ValueError, match=r"layout 'kn' is not supported; use one of "
                                          r"\('in_out', 'out_in'\)"):
       make(layout="kn")
   with pytest.raises(ValueError, match="layout='kn': use one of auto, in_out, out_in"):
     loading.load("/nonexistent", layout="kn")
-  with pytest.raises(ValueError, match="applies to float weights"):
-    loading.load("/nonexistent", layout="out_in", quant="int8")
   with pytest.raises(ConfigError, match=r"--config.target: layout='kn': use one of auto, in_out, "
                                         r"out_in"):
     builders.model_spec({"target": {"checkpoint": "x", "layout": "kn"}}, "target")
@@ -171,41 +167,46 @@ def test_auto_off_the_cpu_and_the_margin(monkeypatch, tmp_path):
 @pytest.mark.parametrize("tied", [False, True])
 def test_int8_is_a_candidate_costed_per_step_with_the_head(monkeypatch, tmp_path, tied):
   """With int8=True: a step's products per candidate (the layers' times the layer count, plus
-  the output layer as stored: a tied [V, D] table is timed as out_in), int8 chosen only past
-  the margin, and the answer cached apart from the layout-only one."""
+  the output layer as stored: a tied [V, D] table is timed as out_in, the int8 head [D, V] as
+  int8 in_out), int8 in either layout, chosen only past the margin, and the answer cached apart
+  from the layout-only one."""
   calls = []
   _fake_timer(monkeypatch, 0.9, calls)
-  int8_ms = {"value": 0.5}
+  int8_ms = {"in_out": 0.5, "out_in": 0.4}
   monkeypatch.setattr(layout_choice, "time_int8_products",
-                      lambda shape, rows: calls.extend((shape, m, "int8") for m in rows) or
-                      [1e-3 * m * int8_ms["value"] for m in rows])
+                      lambda shape, rows, layout: calls.extend(
+                          (shape, m, f"int8 {layout}") for m in rows) or
+                      [1e-3 * m * int8_ms[layout] for m in rows])
   model, cache = _llama(tie_word_embeddings=tied), tmp_path / "c.json"
   choice = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu", int8=True)
-  assert (choice.quant, choice.layout) == ("int8", "in_out")
+  assert (choice.quant, choice.layout) == ("int8", "out_in")
   layer = 1e-3 * (2 + 1 + 2) * (1 + 5)                  # the fake in_out cost of a layer
   head_shape = (32, 64)                                 # (D, V): V < HEAD_ROWS, timed whole
   assert [c for c in calls if c[0] == head_shape] == [
       (head_shape, 1, "out_in" if tied else "in_out"), (head_shape, 5, "out_in" if tied else
-      "in_out"), (head_shape, 1, "int8"), (head_shape, 5, "int8")]
+      "in_out"), (head_shape, 1, "int8 in_out"), (head_shape, 5, "int8 in_out")]
   assert choice.costs["in_out"] == pytest.approx(2 * layer + 1e-3 * 6 * (0.9 if tied else 1))
   assert choice.costs["out_in"] == pytest.approx(0.9 * 2 * layer + 1e-3 * 6 * (0.9 if tied else 1))
   assert choice.costs["int8"] == pytest.approx(0.5 * (2 * layer + 1e-3 * 6))
+  assert choice.costs["int8_out_in"] == pytest.approx(0.4 * 2 * layer + 0.5 * 1e-3 * 6)
   assert "int8 weights (measured at rows 1, 5" in choice.describe()
   again = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu", int8=True)
-  assert again.quant == "int8" and again.reason.startswith("cached")
+  assert (again.quant, again.layout) == ("int8", "out_in") and again.reason.startswith("cached")
   alone = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu")
   assert alone.quant == "" and alone.reason.startswith("measured")   # another question
-  int8_ms["value"] = 0.87                               # out_in costs 0.9: int8 not past margin
+  int8_ms.update(in_out=0.87, out_in=0.95)              # out_in costs 0.9: int8 not past margin
   fixed = layout_choice.choose(model, (1, 5), cache_file=None, backend="cpu", int8=True)
   assert (fixed.quant, fixed.layout) == ("", "out_in")
   only = layout_choice.choose(model, (1, 5), cache_file=None, backend="cpu", int8=True,
-                              layout="in_out")          # a fixed float layout: 0.87 < 0.95
-  assert (only.quant, only.layout) == ("int8", "in_out") and "out_in" not in only.costs
+                              layout="in_out")          # a fixed layout: 0.87 < 0.95, in_out
+  assert (only.quant, only.layout) == ("int8", "in_out")
+  assert "out_in" not in only.costs and "int8_out_in" not in only.costs
 
 
 def test_time_int8_products_runs():
-  times = layout_choice.time_int8_products((16, 24), (1, 3))
-  assert len(times) == 2 and min(times) > 0
+  for layout in dense_layout.LAYOUTS:
+    times = layout_choice.time_int8_products((16, 24), (1, 3), layout)
+    assert len(times) == 2 and min(times) > 0
 
 
 def test_time_products_runs_both_layouts():

@@ -270,6 +270,39 @@ def test_an_int8_load_quantizes_each_kernel_as_it_is_read(tmp_path, monkeypatch,
     assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("family, scan", [("qwen2", False), ("gpt2", True)])
+def test_int8_kernels_stored_out_in_give_the_in_out_bits(tmp_path, family, scan):
+  """int8 layers stored [out, in] (the faster product on some CPUs: models/dense_layout.py)
+  hold the same integers and scales transposed, and their exact integer products give the
+  in_out model's logits bit for bit; a load in that layout quantizes each kernel as read."""
+  from specjax.models import dense_layout, hf_import
+  model, params = _int8_model(family, scan)
+  out_in = dense_layout.with_layout(model, "out_in")
+  flip = lambda p, x: x.T if dense_layout.transposes(
+      tuple(getattr(k, "key", k) for k in p), "out_in") and x.ndim >= 2 else x
+  if scan:
+    flip = lambda p, x: (jnp.swapaxes(x, -1, -2) if dense_layout.transposes(
+        tuple(getattr(k, "key", k) for k in p), "out_in") else x)
+  flipped = jax.tree_util.tree_map_with_path(flip, params)
+  like = jax.eval_shape(out_in.init_params, jax.random.PRNGKey(0))
+  assert jax.tree.map(lambda a: a.shape, like) == jax.tree.map(lambda a: a.shape, flipped)
+  tokens, cache = jnp.array([[3, 7, 9, 2, 5]]), model.init_cache(1, 8)
+  want, _, _ = model.extend_entries(params, tokens, cache)
+  got, _, _ = out_in.extend_entries(flipped, tokens, cache)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # The loader in that layout: the float checkpoint quantized as it is read.
+  float_model = dataclasses.replace(model, config=dataclasses.replace(model.config, quant=""))
+  floats = float_model.init_params(jax.random.PRNGKey(1))
+  hf_import.save_model(float_model, floats, str(tmp_path))
+  _, read = hf_import.load_model(str(tmp_path), "float32", scan_layers=scan, layout="out_in")
+  want_q = quant.quantize_params(read, float_model.config.tie_word_embeddings, "out_in")
+  int8, got_q = hf_import.load_model(str(tmp_path), "float32", scan_layers=scan,
+                                     layout="out_in", quant="int8")
+  assert int8.config.layout == "out_in" and int8.quant == "int8"
+  for a, b in zip(jax.tree.leaves(got_q), jax.tree.leaves(want_q)):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_an_encoder_decoder_is_refused_with_the_families_that_have_it():
   from specjax.api import loading
   model, _ = testing.tiny_t5()
@@ -322,7 +355,7 @@ def test_load_resolves_auto_by_measuring_and_says_why(monkeypatch, tmp_path, cap
   for int8_ms, rows, want in ((0.97, (1, 4), ""), (2.0, (1,), ""), (0.5, (1, 4), "int8")):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / f"cache{int8_ms}"))
     monkeypatch.setattr(layout_choice, "time_int8_products",
-                        lambda shape, rows, ms=int8_ms: [1e-3 * ms] * len(rows))
+                        lambda shape, rows, layout, ms=int8_ms: [1e-3 * ms] * len(rows))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="specjax.api.loading"):
       loaded = loading.load(str(path), quant="auto", role="target", rows=rows)

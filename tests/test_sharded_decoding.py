@@ -195,18 +195,19 @@ CHILD = textwrap.dedent("""
       first = dict(tp, encoder=cut(tp["encoder"]), decoder=cut(tp["decoder"]))
       return target, tp, draft, noisy(first, jax.random.PRNGKey(1))
 
-    def int8_pair(draft_vocab=V):
+    def int8_pair(draft_vocab=V, layout="in_out"):
       from specjax.models import quant
-      pair = llama_pair(draft_vocab)
+      pair = llama_pair(draft_vocab, layout)
       out = []
       for model, params in (pair[:2], pair[2:]):
         cfg = dataclasses.replace(model.config, quant="int8")
-        out += [type(model)(cfg), spread(quant.quantize_params(dict(params), False))]
+        out += [type(model)(cfg), spread(quant.quantize_params(dict(params), False, layout))]
       return tuple(out)
 
     PAIRS = {"decoder": decoder_pair, "llama": llama_pair, "t5": t5_pair,
              "llamaoutin": lambda draft_vocab=V: llama_pair(draft_vocab, layout="out_in"),
-             "llamaint8": int8_pair}
+             "llamaint8": int8_pair,
+             "llamaint8outin": lambda draft_vocab=V: int8_pair(draft_vocab, "out_in")}
 
     def cross_vocab():
       # Draft ids 0..39 are target ids 0..39; target ids 40..63 are two draft tokens each.
@@ -359,10 +360,10 @@ def test_sharded_out_in_layout_equals_one_device():
 
 
 def test_sharded_int8_equals_one_device():
-  """The Llama pair with int8 layers (models/quant.py): each kernel's scale is split with the
-  kernel's output axis (sharding.leaf_axes), and greedy SD on the 2x4 mesh gives the one-device
-  tokens without moving a cache."""
-  cases, shapes = ["llamaint8:exact:0"], ["2x4"]
+  """The Llama pair with int8 layers (models/quant.py), stored [in, out] and [out, in]: each
+  kernel's scale is split with the kernel's output axis (sharding.leaf_axes), and greedy SD on
+  the 2x4 mesh gives the one-device tokens without moving a cache."""
+  cases, shapes = ["llamaint8:exact:0", "llamaint8outin:exact:0"], ["2x4"]
   out = run_child(cases, shapes, hlo=True)
   assert_same_as_one_device(out, cases, shapes)
 

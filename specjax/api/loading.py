@@ -163,9 +163,6 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   if rows is not None and not _widths(rows):
     raise ValueError(f"rows={rows!r}: the widths the model runs at, a non-empty tuple of whole "
                      f"numbers >= 1 (e.g. (1, 5): a decoding step and gamma 4's verify pass)")
-  if layout == dense_layout.OUT_IN and quant == "int8":
-    raise ValueError(f"layout={layout!r} applies to float weights; quant={quant!r} kernels are "
-                     f"stored [in, out]: use layout='auto' or 'in_out'")
   path = checkpoint_dir(name, download)
   hf_config = hf_import.read_config(path / "config.json")
   if quant == quant_lib.AUTO:

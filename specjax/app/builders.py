@@ -173,9 +173,6 @@ class ModelSpec:
       raise ValueError(f"layers={self.layers!r}: use one of {', '.join(model_layers.LAYOUTS)}")
     if self.layout not in DENSE_LAYOUTS:
       raise ValueError(f"layout={self.layout!r}: use one of {', '.join(DENSE_LAYOUTS)}")
-    if self.layout == "out_in" and self.quant == "int8":
-      raise ValueError("layout=out_in applies to float weights; quant=int8 kernels are stored "
-                       "[in, out]: use layout=auto or in_out, or quant=''")
     if self.layout == "out_in" and self.init_from:
       raise ValueError(f"layout=out_in with init_from={self.init_from}: the trainers export "
                        f"[in, out] kernels; use layout=auto or in_out")

@@ -15,12 +15,13 @@ the jaxlib version, XLA_FLAGS, the shapes, widths, dtype and precision, so it is
 machine and setting. Other backends get "in_out" without measuring: the flip was seen on XLA:CPU,
 and the GPU and TPU results (docs/results.md) were measured in Flax's layout.
 
-With `int8=True` (a loader's quant="auto") int8 weights are a third candidate, measured the same
-way through the model's own int8 product (models/quant.int8_matmul: W8A8, a one-row product
-padded to two), and the output layer is measured too (int8 quantizes it; its first HEAD_ROWS
-vocabulary rows, scaled to the vocabulary): per-model costs are the layers' (a layer's products
-times the layer count) plus the head's. int8 is chosen only when it is more than MARGIN below
-the better float layout's cost: it is an approximation of the float model, and whether it pays
+With `int8=True` (a loader's quant="auto") int8 weights in either layout are two more
+candidates, measured the same way through the model's own int8 product (models/quant.int8_matmul:
+W8A8, a one-row product padded to two; XLA:CPU's integer product is far faster on one layout than
+the other for some shapes), and the output layer is measured too (int8 quantizes it, [D, V] in
+both; its first HEAD_ROWS vocabulary rows, scaled to the vocabulary): per-model costs are the
+layers' (a layer's products times the layer count) plus the head's. The cheaper int8 layout is
+chosen only when it is more than MARGIN below the better float layout's cost: it is an approximation of the float model, and whether it pays
 depends on the CPU (VNNI), the width (a target's verify pass, a draft's or a target-alone run's
 one-row steps) and the shape (docs/results.md: on one AVX-512 machine int8 wins for a verify pass
 and loses for a one-row step).
@@ -52,7 +53,9 @@ _MAX_SHAPES = 3        # a layer's largest distinct kernel shapes that are measu
 _SPREAD_BYTES = 64 << 20   # at least this many weight bytes per product: past the caches
 _MAX_COPIES = 8
 DEFAULT_ROWS = (1, 5)  # when the loader does not know gamma: a step and gamma = 4's verify
-INT8 = "int8"          # the third candidate with int8=True (models/quant.py)
+INT8 = "int8"          # int8 weights [in, out], a candidate with int8=True (models/quant.py)
+INT8_OUT_IN = "int8_out_in"   # int8 weights [out, in], the other int8 candidate
+INT8_LAYOUTS = {INT8: dense_layout.IN_OUT, INT8_OUT_IN: dense_layout.OUT_IN}
 HEAD_ROWS = 16384      # the output layer's vocabulary rows that are timed (then scaled to V)
 
 
@@ -117,12 +120,15 @@ def choose(model, rows=DEFAULT_ROWS, *, cache_file: Path | None, backend: str | 
     return Choice(cached["layout"], f"cached in {cache_file}", cached.get("costs", {}),
                   cached.get("quant", ""))
   costs = {f: _cost(shapes, rows, f, cfg.dtype, cfg.precision) for f in floats}
+  int8s = [f for f, stored in INT8_LAYOUTS.items() if stored in floats] if int8 else []
   if int8:
-    costs = _model_costs(costs, shapes, rows, head, cfg)
+    costs = _model_costs(costs, shapes, rows, head, cfg, int8s)
   best = decide(costs) if len(floats) == 2 else floats[0]
   choice = Choice(best, f"measured at rows {', '.join(map(str, rows))}", costs)
-  if int8 and costs[INT8] < (1.0 - MARGIN) * costs[best]:
-    choice = dataclasses.replace(choice, layout=dense_layout.IN_OUT, quant=INT8)
+  if int8:
+    fastest = min(int8s, key=costs.get)
+    if costs[fastest] < (1.0 - MARGIN) * costs[best]:
+      choice = dataclasses.replace(choice, layout=INT8_LAYOUTS[fastest], quant=INT8)
   if cache_file is not None:
     _write(cache_file, key, dict(layout=choice.layout, quant=choice.quant, costs=costs,
                                  rows=list(rows), shapes=[list(s) for s in shapes],
@@ -138,17 +144,19 @@ def _head(model) -> tuple[int, int, int, bool]:
   return num_layers, width, vocab, "lm_head" not in shapes
 
 
-def _model_costs(layer_costs: dict, shapes, rows, head, cfg) -> dict:
-  """A step's products per candidate: the float layouts' layer costs and int8's (timed here),
-  times the layer count, plus the output layer's in float (as stored: a tied table [V, D], an
-  untied kernel [D, V]) or in int8 ([D, V])."""
+def _model_costs(layer_costs: dict, shapes, rows, head, cfg, int8s) -> dict:
+  """A step's products per candidate: the float layouts' layer costs and those of the int8
+  candidates `int8s` (timed here), times the layer count, plus the output layer's in float (as
+  stored: a tied table [V, D], an untied kernel [D, V]) or in int8 ([D, V])."""
   num_layers, width, vocab, tied = head
-  costs = dict(layer_costs, **{INT8: _cost(shapes, rows, INT8, cfg.dtype, cfg.precision)})
+  costs = dict(layer_costs, **{f: _cost(shapes, rows, f, cfg.dtype, cfg.precision)
+                               for f in int8s})
   cols = min(vocab, HEAD_ROWS)
   head_cost = lambda fmt: vocab / cols * _cost(((width, cols, 1),), rows, fmt, cfg.dtype,
                                                cfg.precision)
   float_head = head_cost(dense_layout.OUT_IN if tied else dense_layout.IN_OUT)
-  return {f: num_layers * c + (head_cost(INT8) if f == INT8 else float_head)
+  int8_head = head_cost(INT8)                     # the int8 output layer is [D, V] in both
+  return {f: num_layers * c + (int8_head if f in INT8_LAYOUTS else float_head)
           for f, c in costs.items()}
 
 
@@ -173,8 +181,8 @@ def _cost(shapes, rows, fmt: str, dtype: str, precision: str) -> float:
 
 
 def _times(shape, rows, fmt: str, dtype: str, precision: str) -> list[float]:
-  if fmt == INT8:
-    return time_int8_products(shape, rows)
+  if fmt in INT8_LAYOUTS:
+    return time_int8_products(shape, rows, INT8_LAYOUTS[fmt])
   return time_products(shape, rows, fmt, dtype, precision)
 
 
@@ -194,13 +202,17 @@ def time_products(shape: tuple[int, int], rows: tuple[int, ...], layout: str, dt
   return _median_seconds(product, weights, k, rows, dt)
 
 
-def time_int8_products(shape: tuple[int, int], rows: tuple[int, ...]) -> list[float]:
-  """time_products for an int8 kernel [in, out] with its scale, multiplied as an int8 model
-  multiplies (quant.int8_matmul: float32 activations quantized per row)."""
+def time_int8_products(shape: tuple[int, int], rows: tuple[int, ...],
+                       layout: str = dense_layout.IN_OUT) -> list[float]:
+  """time_products for an int8 kernel of `shape` (in, out) stored in `layout` with its scale,
+  multiplied as an int8 model multiplies (quant.int8_matmul: float32 activations quantized per
+  row)."""
   k, n = shape
+  transposed = layout == dense_layout.OUT_IN
   scale = jnp.full((n,), 0.01, jnp.float32)
-  weights = [jnp.full((k, n), i + 1, jnp.int8) for i in range(_copies(k * n))]
-  product = lambda x, w: quant.int8_matmul(x, w, scale)
+  weights = [jnp.full((n, k) if transposed else (k, n), i + 1, jnp.int8)
+             for i in range(_copies(k * n))]
+  product = lambda x, w: quant.int8_matmul(x, w, scale, transposed=transposed)
   return _median_seconds(product, weights, k, rows, jnp.dtype(jnp.float32))
 
 
@@ -231,6 +243,8 @@ def _key(shapes, rows, dtype: str, precision: str, floats=dense_layout.LAYOUTS,
                   rows=list(rows), dtype=dtype, precision=precision)
   if tuple(floats) != dense_layout.LAYOUTS or head is not None:   # older keys stay valid
     settings.update(floats=list(floats), head=list(head) if head else None)
+  if head is not None:                          # int8 candidates: both layouts since version 2
+    settings.update(int8_candidates=sorted(INT8_LAYOUTS))
   blob = json.dumps(settings, sort_keys=True).encode()
   return hashlib.sha256(blob).hexdigest()[:16]
 

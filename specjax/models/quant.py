@@ -32,6 +32,7 @@ the int8 target's own tokens at a near-tie (tests/test_quant.py, docs/results.md
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -68,19 +69,24 @@ def rounds_activations(backend: str | None = None) -> bool:
 
 
 class Int8Dense(nn.Module):
-  """nn.Dense over an int8 kernel [in, out] with a float32 `scale` [out] (and an optional bias in
-  the activation dtype): x [..., in] -> [..., out] in `dtype`. `precision` applies to the
-  weight-only product (accelerators); the CPU's integer product is exact."""
+  """nn.Dense over an int8 kernel [in, out] (layout "in_out") or [out, in] ("out_in") with a
+  float32 `scale` [out] (and an optional bias in the activation dtype): x [..., in] -> [..., out]
+  in `dtype`. `precision` applies to the weight-only product (accelerators); the CPU's integer
+  product is exact."""
   features: int
   use_bias: bool = True
   dtype: Any = jnp.float32
   precision: Any = None
+  layout: str = dense_layout.IN_OUT
 
   @nn.compact
   def __call__(self, x):
-    kernel = self.param("kernel", nn.initializers.zeros, (x.shape[-1], self.features), jnp.int8)
+    transposed = self.layout == dense_layout.OUT_IN
+    shape = (self.features, x.shape[-1]) if transposed else (x.shape[-1], self.features)
+    kernel = self.param("kernel", nn.initializers.zeros, shape, jnp.int8)
     scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
-    y = int8_matmul(x, kernel, scale, precision=self.precision).astype(self.dtype)
+    y = int8_matmul(x, kernel, scale, precision=self.precision,
+                    transposed=transposed).astype(self.dtype)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype))
     return y
@@ -88,12 +94,12 @@ class Int8Dense(nn.Module):
 
 def dense(features: int, *, quant: str, dtype, precision, name: str, use_bias: bool = True,
           kernel_init=nn.initializers.lecun_normal(), layout: str = "in_out") -> nn.Module:
-  """The dense layer of a model whose config says `quant` ("": float weights in `dtype`, stored
-  as `layout` says: "in_out", nn.Dense's [in, out] kernel, or "out_in", [out, in], the same
-  product: models/dense_layout.py). int8 kernels are [in, out] whatever the layout (the config
-  refuses quant="int8" with layout="out_in")."""
+  """The dense layer of a model whose config says `quant` ("": float weights in `dtype`; "int8"),
+  its kernel stored as `layout` says: "in_out", nn.Dense's [in, out], or "out_in", [out, in], the
+  same product (models/dense_layout.py)."""
   if quant == "int8":
-    return Int8Dense(features, use_bias=use_bias, dtype=dtype, precision=precision, name=name)
+    return Int8Dense(features, use_bias=use_bias, dtype=dtype, precision=precision,
+                     layout=layout, name=name)
   cls = dense_layout.OutInDense if layout == dense_layout.OUT_IN else nn.Dense
   return cls(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, precision=precision,
              kernel_init=kernel_init, name=name)
@@ -108,14 +114,16 @@ def int8_logits(hidden: jax.Array, vocab_size: int, subset=None, precision=None)
 
 
 def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=None,
-                w8a8: bool | None = None) -> jax.Array:
-  """x [..., K] (float) times kernel [K, N] int8 with scale [N] -> float32 [..., N]. W8A8 (w8a8
-  None: rounds_activations(), the CPU): each row of x quantized with its own absmax scale, the
-  product accumulated in int32. Weight-only: the kernel converted to x's dtype (int8 values are
-  exact in bfloat16) inside a product at `precision` accumulated in float32, times the scale."""
+                w8a8: bool | None = None, transposed: bool = False) -> jax.Array:
+  """x [..., K] (float) times kernel [K, N] int8 ([N, K] when `transposed`) with scale [N] ->
+  float32 [..., N]. W8A8 (w8a8 None: rounds_activations(), the CPU): each row of x quantized
+  with its own absmax scale, the product accumulated in int32. Weight-only: the kernel converted
+  to x's dtype (int8 values are exact in bfloat16) inside a product at `precision` accumulated
+  in float32, times the scale."""
+  contract = 1 if transposed else 0
   if not (rounds_activations() if w8a8 is None else w8a8):
-    y = jnp.einsum("...k,kn->...n", x, kernel.astype(x.dtype), precision=precision,
-                   preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (contract,)), ((), ())),
+                            precision=precision, preferred_element_type=jnp.float32)
     return y * scale
   lead, width = x.shape[:-1], x.shape[-1]
   rows = x.reshape(-1, width).astype(jnp.float32)                       # [M, K]
@@ -127,32 +135,34 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=Non
   q = jnp.round(rows / row_scale).astype(jnp.int8)
   # Integer products are exact at any precision: DEFAULT keeps the ambient default (e.g. a
   # session's "highest") from choosing another algorithm for them.
-  acc = jax.lax.dot_general(q, kernel, (((1,), (0,)), ((), ())),
+  acc = jax.lax.dot_general(q, kernel, (((1,), (contract,)), ((), ())),
                             precision=jax.lax.Precision.DEFAULT,
                             preferred_element_type=jnp.int32)           # [M, N]
   y = acc.astype(jnp.float32) * row_scale * scale
-  return y[:m].reshape(*lead, kernel.shape[-1])
+  return y[:m].reshape(*lead, scale.shape[-1])
 
 
-@jax.jit
-def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """kernel [..., in, out] float -> (int8 [..., in, out], float32 scale [..., out]): symmetric,
-  per output channel (per layer too when stacked)."""
+@functools.partial(jax.jit, static_argnames="transposed")
+def quantize_kernel(kernel: jax.Array, transposed: bool = False) -> tuple[jax.Array, jax.Array]:
+  """kernel [..., in, out] float ([..., out, in] when `transposed`) -> (int8 of the same shape,
+  float32 scale [..., out]): symmetric, per output channel (per layer too when stacked)."""
   w = kernel.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(w), axis=-2)
+  axis = -1 if transposed else -2                                  # the input axis
+  amax = jnp.max(jnp.abs(w), axis=axis)
   scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
-  q = jnp.clip(jnp.round(w / scale[..., None, :]), -_QMAX, _QMAX).astype(jnp.int8)
+  q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, axis)), -_QMAX, _QMAX).astype(jnp.int8)
   return q, scale
 
 
-def put(params: dict, path: tuple[str, ...], value: jax.Array, quant: str) -> None:
+def put(params: dict, path: tuple[str, ...], value: jax.Array, quant: str,
+        layout: str = dense_layout.IN_OUT) -> None:
   """A loader's tree_set(params, path, value) that quantizes as it goes: with quant "int8" a
-  Dense kernel (a leaf named `kernel` anywhere, the untied output layer's included) is stored as
-  its int8 kernel with its float32 `scale` beside it, so the float model is never held whole
-  (the host holds one float leaf extra at a time); other leaves, and every leaf with quant "",
-  as given. Finish with `with_head`."""
+  Dense kernel (a leaf named `kernel` anywhere, the untied output layer's included; given in the
+  model's `layout`) is stored as its int8 kernel with its float32 `scale` beside it, so the
+  float model is never held whole (the host holds one float leaf extra at a time); other leaves,
+  and every leaf with quant "", as given. Finish with `with_head`."""
   if quant == "int8" and path[-1] == "kernel":
-    kernel, scale = quantize_kernel(value)
+    kernel, scale = quantize_kernel(value, transposed=dense_layout.transposes(path, layout))
     tree_set(params, path, kernel)
     tree_set(params, (*path[:-1], "scale"), scale)
   else:
@@ -160,18 +170,20 @@ def put(params: dict, path: tuple[str, ...], value: jax.Array, quant: str) -> No
 
 
 def put_layers(params: dict, path: tuple[str, ...], read_layer, num_layers: int, dtype,
-               quant: str) -> None:
+               quant: str, layout: str = dense_layout.IN_OUT) -> None:
   """`put` for a stacked leaf [L, ...] read a layer at a time (read_layer(i): layer i's array in
   the model's orientation): with quant "int8" a kernel is cast to `dtype` and quantized layer by
   layer into an int8 stack [L, in, out] with its scales [L, out], so the float stack (the MLP's,
   the largest leaf of a deep model) is never held; other leaves are stacked in `dtype`
-  (hf_tensors.stack_layers). The bits are those of `put` on the float stack."""
+  (hf_tensors.stack_layers). The bits are those of `put` on the float stack; `layout` as
+  there."""
   if quant != "int8" or path[-1] != "kernel":
     tree_set(params, path, hf_tensors.stack_layers(read_layer, num_layers, dtype))
     return
   kernels = scales = None
   for i in range(num_layers):
-    kernel, scale = quantize_kernel(hf_tensors.to_device(read_layer(i), dtype))
+    kernel, scale = quantize_kernel(hf_tensors.to_device(read_layer(i), dtype),
+                                    transposed=dense_layout.transposes(path, layout))
     if kernels is None:
       kernels = np.empty((num_layers, *kernel.shape), np.int8)                # [L, in, out]
       scales = np.empty((num_layers, *scale.shape), np.float32)              # [L, out]
@@ -190,15 +202,15 @@ def with_head(params: dict, quant: str, tied: bool) -> dict:
   return params
 
 
-def quantize_params(params: dict, tied: bool) -> dict:
-  """The params of a float decoder-only model -> those of its int8 twin (config quant="int8"),
-  in place, as a loader with `put` and `with_head` builds them (each float kernel dropped as soon
-  as it is converted)."""
+def quantize_params(params: dict, tied: bool, layout: str = dense_layout.IN_OUT) -> dict:
+  """The params of a float decoder-only model (its kernels in `layout`) -> those of its int8 twin
+  (config quant="int8", the same layout), in place, as a loader with `put` and `with_head` builds
+  them (each float kernel dropped as soon as it is converted)."""
   for path in _kernel_paths(params):
     parent = params
     for key in path[:-1]:
       parent = parent[key]
-    put(params, path, parent.pop("kernel"), "int8")
+    put(params, path, parent.pop("kernel"), "int8", layout)
   return with_head(params, "int8", tied)
 
 

@@ -97,12 +97,12 @@ def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
     tree_set(params, path, hf_tensors.to_device(read(name), dt))
   for path, name in _HF_LAYER.items():
     layer = lambda i: orient(path, read(f"h.{i}.{name}"))
-    quant.put_layers(params, ("layers",) + path, layer, num_layers, dt, cfg.quant)
+    quant.put_layers(params, ("layers",) + path, layer, num_layers, dt, cfg.quant, cfg.layout)
   for third, proj in enumerate(_QKV):
     for leaf, name in _C_ATTN.items():
       part = lambda i: orient((leaf,), np.split(read(f"h.{i}.{name}"), 3, axis=-1)[third])
       quant.put_layers(params, ("layers", "attention", proj, leaf), part,   # [D, 3D] -> [D, D]
-                       num_layers, dt, cfg.quant)
+                       num_layers, dt, cfg.quant, cfg.layout)
   if not cfg.tie_word_embeddings:
     head = read("lm_head.weight").T                                         # [V, D] -> [D, V]
     quant.put(params, ("lm_head", "kernel"), hf_tensors.to_device(head, dt), cfg.quant)

@@ -173,7 +173,8 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
                 cfg.quant)
       continue
     layer = lambda i: _read(tensors, name.format(i=i), path, shape[1:], cfg, dtype)
-    quant.put_layers(params, path, layer, cfg.num_layers, dtype, cfg.quant)   # [L, ...]
+    quant.put_layers(params, path, layer, cfg.num_layers, dtype, cfg.quant,   # [L, ...]
+                     cfg.layout)
   params = quant.with_head(params, cfg.quant, cfg.tie_word_embeddings)
   return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
 
@@ -203,7 +204,7 @@ def _params_unrolled(tensors: Mapping[str, np.ndarray], names: dict, shapes, cfg
         continue
       value, bad = hf_tensors.to_param(raw, transpose, jnp.dtype(dtype))
       checks.add(hf_name, bad)
-      quant.put(params, where, value, cfg.quant)
+      quant.put(params, where, value, cfg.quant, cfg.layout)
   checks.raise_if_any()
   return quant.with_head(params, cfg.quant, cfg.tie_word_embeddings)
 

@@ -1,6 +1,6 @@
 """What a verify pass costs on this backend, one matrix multiply at a time: [M, K] x weights for
 M = 1 (a decoding step) and M = 2..8 (a verify pass over gamma + 1 positions), in float32,
-bfloat16 and int8 (models/quant.py's W8A8 product, [K, N] only), with the weights stored [K, N]
+bfloat16 and int8 (models/quant.py's W8A8 product), with the weights stored [K, N]
 (specjax's kernels) or [N, K] (PyTorch's layout).
 
     python -m eval.matmul                                  # Qwen2.5-1.5B's MLP matrix, 1536 x 8960
@@ -19,6 +19,7 @@ weights are read once each, never sees: --copies N calls N distinct copies in tu
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -68,9 +69,8 @@ def measure(k: int, n: int, rows: list[int], dtypes: list[str], repeats: int,
   records = []
   for dtype in dtypes:
     for layout, dims in LAYOUTS.items():
-      if dtype == "int8" and layout == "NK":
-        continue                  # models/quant.py stores int8 kernels [K, N] only
-      fn, w, args = _product(dtype, weights if layout == "KN" else weights.T, dims)
+      fn, w, args = _product(dtype, weights if layout == "KN" else weights.T, dims,
+                             transposed=layout == "NK")
       stored = [args] + [tuple(jnp.array(a, copy=True) for a in args) for _ in range(copies - 1)]
       for m in rows:
         x = jnp.ones((m, k), jnp.float32 if dtype == "int8" else dtype)
@@ -86,12 +86,14 @@ def measure(k: int, n: int, rows: list[int], dtypes: list[str], repeats: int,
   return records
 
 
-def _product(dtype: str, weights: np.ndarray, dims):
+def _product(dtype: str, weights: np.ndarray, dims, transposed: bool = False):
   """(jitted fn(x, *args), the weights as stored, args): a float product of `dtype`, or int8
-  weights with activations quantized per row (models/quant.int8_matmul: W8A8)."""
+  weights (stored [N, K] when `transposed`) with activations quantized per row
+  (models/quant.int8_matmul: W8A8)."""
   if dtype == "int8":
-    kernel, scale = quant.quantize_kernel(jnp.asarray(weights))
-    return jax.jit(quant.int8_matmul), kernel, (kernel, scale)
+    kernel, scale = quant.quantize_kernel(jnp.asarray(weights), transposed=transposed)
+    product = functools.partial(quant.int8_matmul, transposed=transposed)
+    return jax.jit(product), kernel, (kernel, scale)
   w = jnp.asarray(weights, dtype)
   return jax.jit(lambda x, w: jax.lax.dot_general(x, w, dims,
                                                   preferred_element_type=jnp.float32)), w, (w,)

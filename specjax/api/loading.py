@@ -268,7 +268,8 @@ def weight_format(path: Path, dtype: str, scan: bool, role: str, quant: str, lay
   if layout != "auto":
     choice = layout_choice.Choice(layout, "asked for")
   elif quant and quant != quant_lib.AUTO:
-    choice = layout_choice.Choice(dense_layout.IN_OUT, f"{quant} weights are stored [in, out]")
+    choice = layout_choice.Choice(dense_layout.IN_OUT, f"{quant} weights asked for, stored "
+                                  f"[in, out]; quant=auto measures both layouts")
   elif pinned and quant != quant_lib.AUTO:
     choice = layout_choice.Choice(pinned, f"${LAYOUT_ENV}")
   else:

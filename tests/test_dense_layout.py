@@ -189,7 +189,7 @@ def test_int8_is_a_candidate_costed_per_step_with_the_head(monkeypatch, tmp_path
   assert choice.costs["out_in"] == pytest.approx(0.9 * 2 * layer + 1e-3 * 6 * (0.9 if tied else 1))
   assert choice.costs["int8"] == pytest.approx(0.5 * (2 * layer + 1e-3 * 6))
   assert choice.costs["int8_out_in"] == pytest.approx(0.4 * 2 * layer + 0.5 * 1e-3 * 6)
-  assert "int8 weights (measured at rows 1, 5" in choice.describe()
+  assert "int8 weights out_in (measured at rows 1, 5" in choice.describe()
   again = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu", int8=True)
   assert (again.quant, again.layout) == ("int8", "out_in") and again.reason.startswith("cached")
   alone = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu")

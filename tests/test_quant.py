@@ -360,8 +360,8 @@ def test_load_resolves_auto_by_measuring_and_says_why(monkeypatch, tmp_path, cap
     with caplog.at_level(logging.INFO, logger="specjax.api.loading"):
       loaded = loading.load(str(path), quant="auto", role="target", rows=rows)
     assert loaded.model.config.quant == want
-    assert ((f"weights of the target: int8 layers (quant=auto: int8 weights (measured at rows "
-             f"{', '.join(map(str, rows))}: in_out" if want else
+    assert ((f"weights of the target: int8 layers (quant=auto: int8 weights in_out (measured "
+             f"at rows {', '.join(map(str, rows))}: in_out" if want else
              "weights of the target: float (quant=auto: in_out (measured at rows")
             in caplog.text), caplog.text
   monkeypatch.setattr(layout_choice, "time_int8_products", lambda *a: pytest.fail("measured"))

@@ -21,8 +21,8 @@ W8A8, a one-row product padded to two; XLA:CPU's integer product is far faster o
 the other for some shapes), and the output layer is measured too (int8 quantizes it, [D, V] in
 both; its first HEAD_ROWS vocabulary rows, scaled to the vocabulary): per-model costs are the
 layers' (a layer's products times the layer count) plus the head's. The cheaper int8 layout is
-chosen only when it is more than MARGIN below the better float layout's cost: it is an approximation of the float model, and whether it pays
-depends on the CPU (VNNI), the width (a target's verify pass, a draft's or a target-alone run's
+chosen only when it is more than MARGIN below the better float layout's cost: it is an
+approximation of the float model, and whether it pays depends on the CPU (VNNI), the width (a target's verify pass, a draft's or a target-alone run's
 one-row steps) and the shape (docs/results.md: on one AVX-512 machine int8 wins for a verify pass
 and loses for a one-row step).
 """
@@ -71,7 +71,7 @@ class Choice:
   quant: str = ""
 
   def describe(self) -> str:
-    picked = f"{self.quant} weights" if self.quant else self.layout
+    picked = f"{self.quant} weights {self.layout}" if self.quant else self.layout
     if not self.costs:
       return f"{picked} ({self.reason})"
     ms = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in sorted(self.costs.items()))

@@ -22,9 +22,10 @@ the other for some shapes), and the output layer is measured too (int8 quantizes
 both; its first HEAD_ROWS vocabulary rows, scaled to the vocabulary): per-model costs are the
 layers' (a layer's products times the layer count) plus the head's. The cheaper int8 layout is
 chosen only when it is more than MARGIN below the better float layout's cost: it is an
-approximation of the float model, and whether it pays depends on the CPU (VNNI), the width (a target's verify pass, a draft's or a target-alone run's
-one-row steps) and the shape (docs/results.md: on one AVX-512 machine int8 wins for a verify pass
-and loses for a one-row step).
+approximation of the float model, and whether it pays depends on the CPU (VNNI), the width (a
+target's verify pass, a draft's or a target-alone run's one-row steps) and the shape
+(docs/results.md: on one AVX-512 machine int8 wins for a verify pass and loses for a one-row
+step).
 """
 
 from __future__ import annotations

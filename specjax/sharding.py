@@ -105,14 +105,16 @@ def _names(path) -> tuple[str, ...]:
 OUT_IN = "out_in"       # models/dense_layout.OUT_IN (sharding sits beside models, not above it)
 
 
-def leaf_axes(names: tuple[str, ...], ndim: int, layout: str = "in_out") -> tuple[str | None, ...]:
+def leaf_axes(names: tuple[str, ...], ndim: int, layout: str = "in_out",
+              quant: str = "") -> tuple[str | None, ...]:
   """Logical axes of a param leaf from its path names and rank (see the module docstring);
-  layout: the model's dense-kernel layout ("in_out" or "out_in": Dense kernels' axes swapped)."""
+  layout: the model's dense-kernel layout ("in_out" or "out_in": Dense kernels' axes swapped,
+  and an int8 model's (quant "int8") output layer's too: models/dense_layout.transposes)."""
   leaf = names[-1] if names else ""
   parent = names[-2] if len(names) > 1 else ""
   if leaf == "kernel":
     axes = PARAM_AXES.get(parent)
-    if layout == OUT_IN and axes is not None and parent != "lm_head":
+    if layout == OUT_IN and axes is not None and (parent != "lm_head" or quant == "int8"):
       axes = axes[::-1]
   elif leaf in ("bias", "scale") and parent in PARAM_AXES and len(PARAM_AXES[parent]) == 2:
     axes = PARAM_AXES[parent][-1:]                  # a Dense bias or int8 scale: [out]
@@ -148,12 +150,12 @@ def spec_for(axes, shape, mesh: Mesh, units: dict[str, int] | None = None) -> P:
 
 
 def param_shardings(params, mesh: Mesh, units: dict[str, int] | None = None,
-                    layout: str = "in_out") -> Any:
+                    layout: str = "in_out", quant: str = "") -> Any:
   """NamedSharding per param leaf (works on arrays or jax.ShapeDtypeStruct); units: see
-  spec_for (decoding passes the model's head counts); layout: the model's dense-kernel layout
-  (leaf_axes)."""
+  spec_for (decoding passes the model's head counts); layout, quant: the model's dense-kernel
+  layout and weight format (leaf_axes)."""
   def one(path, x):
-    axes = leaf_axes(_names(path), len(x.shape), layout)
+    axes = leaf_axes(_names(path), len(x.shape), layout, quant)
     return NamedSharding(mesh, spec_for(axes, x.shape, mesh, units))
   return jax.tree_util.tree_map_with_path(one, params)
 

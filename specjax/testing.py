@@ -222,10 +222,12 @@ def tiny_t5(seed: int = 0, vocab_size: int = 48, d_model: int = 32, num_layers: 
 
 
 def _spread(params, factor: float = 4.0):
-  """Scale the embedding / output tables so random logits are well separated (no argmax ties)."""
+  """Scale the embedding / output tables so random logits are well separated (no argmax ties);
+  an int8 head's integers stay, its scale is scaled."""
   def scale(path, x):
     name = "/".join(str(getattr(p, "key", p)) for p in path)
-    return x * factor if ("embedding" in name or "lm_head" in name) else x
+    table = ("embedding" in name or "lm_head" in name) and not jnp.issubdtype(x.dtype, jnp.integer)
+    return x * factor if table else x
   return jax.tree_util.tree_map_with_path(scale, params)
 
 

@@ -167,8 +167,8 @@ def test_auto_off_the_cpu_and_the_margin(monkeypatch, tmp_path):
 @pytest.mark.parametrize("tied", [False, True])
 def test_int8_is_a_candidate_costed_per_step_with_the_head(monkeypatch, tmp_path, tied):
   """With int8=True: a step's products per candidate (the layers' times the layer count, plus
-  the output layer as stored: a tied [V, D] table is timed as out_in, the int8 head [D, V] as
-  int8 in_out), int8 in either layout, chosen only past the margin, and the answer cached apart
+  the output layer as stored: a tied [V, D] table is timed as out_in, an int8 head as its
+  candidate stores it, [D, V] or [V, D]), int8 in either layout, chosen only past the margin, and the answer cached apart
   from the layout-only one."""
   calls = []
   _fake_timer(monkeypatch, 0.9, calls)
@@ -184,11 +184,12 @@ def test_int8_is_a_candidate_costed_per_step_with_the_head(monkeypatch, tmp_path
   head_shape = (32, 64)                                 # (D, V): V < HEAD_ROWS, timed whole
   assert [c for c in calls if c[0] == head_shape] == [
       (head_shape, 1, "out_in" if tied else "in_out"), (head_shape, 5, "out_in" if tied else
-      "in_out"), (head_shape, 1, "int8 in_out"), (head_shape, 5, "int8 in_out")]
+      "in_out"), (head_shape, 1, "int8 in_out"), (head_shape, 5, "int8 in_out"),
+      (head_shape, 1, "int8 out_in"), (head_shape, 5, "int8 out_in")]
   assert choice.costs["in_out"] == pytest.approx(2 * layer + 1e-3 * 6 * (0.9 if tied else 1))
   assert choice.costs["out_in"] == pytest.approx(0.9 * 2 * layer + 1e-3 * 6 * (0.9 if tied else 1))
   assert choice.costs["int8"] == pytest.approx(0.5 * (2 * layer + 1e-3 * 6))
-  assert choice.costs["int8_out_in"] == pytest.approx(0.4 * 2 * layer + 0.5 * 1e-3 * 6)
+  assert choice.costs["int8_out_in"] == pytest.approx(0.4 * (2 * layer + 1e-3 * 6))
   assert "int8 weights out_in (measured at rows 1, 5" in choice.describe()
   again = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu", int8=True)
   assert (again.quant, again.layout) == ("int8", "out_in") and again.reason.startswith("cached")

@@ -272,17 +272,18 @@ def test_an_int8_load_quantizes_each_kernel_as_it_is_read(tmp_path, monkeypatch,
 
 @pytest.mark.parametrize("family, scan", [("qwen2", False), ("gpt2", True)])
 def test_int8_kernels_stored_out_in_give_the_in_out_bits(tmp_path, family, scan):
-  """int8 layers stored [out, in] (the faster product on some CPUs: models/dense_layout.py)
-  hold the same integers and scales transposed, and their exact integer products give the
-  in_out model's logits bit for bit; a load in that layout quantizes each kernel as read."""
+  """int8 layers stored [out, in] (the faster product on some CPUs: models/dense_layout.py),
+  the output layer's included, hold the same integers and scales transposed, and their exact
+  integer products (specjax's CPU kernel for [out, in], XLA's for [in, out]) give the in_out
+  model's logits bit for bit; a load in that layout quantizes each kernel as read."""
   from specjax.models import dense_layout, hf_import
   model, params = _int8_model(family, scan)
   out_in = dense_layout.with_layout(model, "out_in")
   flip = lambda p, x: x.T if dense_layout.transposes(
-      tuple(getattr(k, "key", k) for k in p), "out_in") and x.ndim >= 2 else x
+      tuple(getattr(k, "key", k) for k in p), "out_in", "int8") and x.ndim >= 2 else x
   if scan:
     flip = lambda p, x: (jnp.swapaxes(x, -1, -2) if dense_layout.transposes(
-        tuple(getattr(k, "key", k) for k in p), "out_in") else x)
+        tuple(getattr(k, "key", k) for k in p), "out_in", "int8") else x)
   flipped = jax.tree_util.tree_map_with_path(flip, params)
   like = jax.eval_shape(out_in.init_params, jax.random.PRNGKey(0))
   assert jax.tree.map(lambda a: a.shape, like) == jax.tree.map(lambda a: a.shape, flipped)
@@ -312,17 +313,25 @@ def test_an_encoder_decoder_is_refused_with_the_families_that_have_it():
     loading.load("builtin:tiny/target", quant="int4")
 
 
-def test_a_sub_vocabulary_head_of_a_quantized_draft():
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+def test_a_sub_vocabulary_head_of_a_quantized_draft(layout):
+  """The cut int8 head keeps the model's layout ([D, k], or [k, D] with out_in, the rows
+  specjax's CPU kernel reads) and scores the k ids as the full head does."""
   import types
 
   import specjax
   from specjax.api.loading import LoadedModel
-  model, params = _quantized(*testing.tiny_decoder(seed=3, vocab_size=16))
+  from specjax.models import dense_layout
+  model = dense_layout.with_layout(testing.tiny_decoder(seed=3, vocab_size=16)[0], layout)
+  floats = model.init_params(jax.random.PRNGKey(3))
+  int8 = dataclasses.replace(model, config=dataclasses.replace(model.config, quant="int8"))
+  model, params = int8, quant.quantize_params(floats, model.config.tie_word_embeddings, layout)
   draft = LoadedModel(model, params, types.SimpleNamespace(eos_ids=(1,)), None)
   cut = specjax.sub_vocab(draft, 5, counts=np.arange(16)[::-1].copy())
   assert cut.params["lm_head"]["kernel"].dtype == jnp.int8
   head = cut.params["lm_head"]
-  assert head["kernel"].shape == (32, 5) and head["scale"].shape == (5,)
+  assert head["kernel"].shape == ((32, 5) if layout == "in_out" else (5, 32))
+  assert head["scale"].shape == (5,)
   tokens, cache = jnp.array([[2, 7, 9]]), model.init_cache(1, 8)
   want, _, _ = model.extend_entries(params, tokens, cache)
   got, _, _ = cut.model.extend_entries(cut.params, tokens, cache)

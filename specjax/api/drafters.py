@@ -75,7 +75,8 @@ def sub_vocab(draft, k: int, counts=None, flag: str = "vocab_top_k", target=None
                      f"ids; cut it from the full draft")
   subset = _most_frequent(draft.tokenizer, model.vocab_size, k, counts, flag, "draft")
   params = dict(draft.params)
-  params["lm_head"] = _cut_head(params, subset, model.quant, model.config.tie_word_embeddings)
+  params["lm_head"] = _cut_head(params, subset, model.quant, model.config.tie_word_embeddings,
+                                model.layout)
   config = dataclasses.replace(model.config, head_subset=subset)
   return dataclasses.replace(draft, model=dataclasses.replace(model, config=config),
                              params=params)
@@ -94,13 +95,16 @@ def _most_frequent(tokenizer, vocab: int, k, counts, flag: str, who: str) -> Sub
   return SubVocab.most_frequent(counts, k, always=stops)
 
 
-def _cut_head(params, subset: SubVocab, quant: str, tied: bool) -> dict:
+def _cut_head(params, subset: SubVocab, quant: str, tied: bool, layout: str) -> dict:
   """The `lm_head` params of a head that scores `subset` only, cut from a model's `params`: an
-  int8 kernel [D, k] with its scale [k], or a float kernel [D, k] from the embedding (tied) or
-  from the full [D, V] kernel."""
+  int8 kernel [D, k] ([k, D] in layout out_in) with its scale [k], or a float kernel [D, k]
+  from the embedding (tied) or from the full [D, V] kernel."""
   head = params.get("lm_head", {})
   if quant:
-    return {"kernel": subset.head_columns(head["kernel"]),
+    out_in = dense_layout.transposes(("lm_head", "kernel"), layout, quant)
+    kernel = head["kernel"]
+    return {"kernel": (jnp.take(kernel, jnp.asarray(subset.ids), axis=0) if out_in
+                       else subset.head_columns(kernel)),
             "scale": jnp.take(head["scale"], jnp.asarray(subset.ids))}
   if tied:
     return {"kernel": subset.head_rows(params["token_embed"]["embedding"])}
@@ -200,6 +204,7 @@ def _cut_draft_head(loaded: LoadedHead, k, counts, flag: str, target) -> LoadedH
                      f"{model.vocab_size} and {model.hidden_size}")
   subset = _most_frequent(target.tokenizer, head.vocab_size, k, counts, flag, "target")
   cut = DraftHead(arch=dataclasses.replace(head.arch, head_subset=subset))
-  lm_head = _cut_head(target.params, subset, head.quant, head.arch.tie_word_embeddings)
+  lm_head = _cut_head(target.params, subset, head.quant, head.arch.tie_word_embeddings,
+                      head.arch.layout)
   return dataclasses.replace(loaded, drafter=dataclasses.replace(loaded.drafter, head=cut),
                              lm_head=lm_head)

@@ -29,7 +29,7 @@ from specjax.api.errors import UsageError
 from specjax.data.cache import build_lock, cache_dir, settings_key
 from specjax.data.tokenizer import get_tokenizer
 from specjax.models import dense_layout, gguf_import, hf_import, host_memory, layout_choice
-from specjax.models import param_cache
+from specjax.models import cpu_kernels, param_cache
 from specjax.models import quant as quant_lib
 from specjax.models import layers as layouts
 
@@ -190,8 +190,10 @@ def _widths(rows) -> bool:
 
 
 def _int8_product() -> str:
-  return ("W8A8: activations quantized per row" if quant_lib.rounds_activations() else
-          "weight-only, W8A16")
+  if not quant_lib.rounds_activations():
+    return "weight-only, W8A16"
+  return (f"W8A8: activations quantized per row; [out, in] kernels on "
+          f"{cpu_kernels.status().describe()}")
 
 
 def auto_quant(hf_config: dict, role: str, layout: str) -> str:
@@ -337,7 +339,7 @@ def _quantized(model, quant: str, role: str):
 
 
 PARAM_CACHE_VERSION = 1
-QUANT_VERSION = 2        # int8 params: bump when quant.quantize_params changes
+QUANT_VERSION = 3        # int8 params: bump when quant.quantize_params changes (3: [V, D] heads)
 
 
 def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "",

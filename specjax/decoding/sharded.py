@@ -54,7 +54,7 @@ def param_shardings(model, params, mesh) -> Any:
   """The rules table's shardings of a model's params (model None: replicated, e.g. a verifier)."""
   if model is None:
     return jax.tree_util.tree_map(lambda _: sharding.replicated(mesh), params)
-  return sharding.param_shardings(params, mesh, model_units(model), model.layout)
+  return sharding.param_shardings(params, mesh, model_units(model), model.layout, model.quant)
 
 
 def place_params(model, params, mesh) -> Any:

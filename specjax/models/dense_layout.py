@@ -15,9 +15,10 @@ query/key/value/out, the MLP). Not covered:
     already and is shared with the input lookup; an untied head ([D, V] `lm_head/kernel`) is one
     product per step next to seven per layer, and the drafters that cut it (early exit,
     sub-vocabulary heads: models/sub_vocab.py) read it as [D, V]. It keeps its layout.
-int8 kernels (models/quant.py) take the layout too, and their integer product's speed depends on
-it more than float32's: on a 2-core AVX-512 AMD EPYC, [2, 8960] x [8960, 1536] took 2.6 ms
-stored [in, out] and 1.0 ms stored [out, in] (layout_choice measures both).
+int8 kernels (models/quant.py) take the layout too, the output layer's included ([V, D] with
+out_in), and their integer product's speed depends on it more than float32's: [out, in] int8
+runs on specjax's own CPU kernel (models/cpu_kernels.py), [in, out] on XLA's product
+(layout_choice measures both).
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ class OutInDense(nn.Module):
     return y if bias is None else y + bias
 
 
-def transposes(path: tuple[str, ...], layout: str) -> bool:
-  """Whether the param at `path` is a Dense kernel that `layout` stores [out, in] (a transformer
-  layer's kernel; the LM head keeps [D, V]: module docstring)."""
-  return layout == OUT_IN and path[-1] == "kernel" and path[0] != "lm_head"
+def transposes(path: tuple[str, ...], layout: str, quant: str = "") -> bool:
+  """Whether the param at `path` is a Dense kernel that `layout` stores [out, in]: a transformer
+  layer's kernel, and an int8 model's (`quant` "int8") output layer, [V, D], which specjax's int8
+  CPU kernel reads a vocabulary row at a time (models/cpu_kernels.py); a float LM head keeps
+  [D, V] (module docstring)."""
+  if layout != OUT_IN or path[-1] != "kernel":
+    return False
+  return path[0] != "lm_head" or quant == "int8"
 
 
 def with_layout(model, layout: str):

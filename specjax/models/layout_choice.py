@@ -17,9 +17,10 @@ and the GPU and TPU results (docs/results.md) were measured in Flax's layout.
 
 With `int8=True` (a loader's quant="auto") int8 weights in either layout are two more
 candidates, measured the same way through the model's own int8 product (models/quant.int8_matmul:
-W8A8, a one-row product padded to two; XLA:CPU's integer product is far faster on one layout than
-the other for some shapes), and the output layer is measured too (int8 quantizes it, [D, V] in
-both; its first HEAD_ROWS vocabulary rows, scaled to the vocabulary): per-model costs are the
+W8A8; [in, out] on XLA's integer product, a one-row product padded to two, [out, in] on
+specjax's CPU kernel where it builds, models/cpu_kernels.py), and the output layer is measured too
+(int8 quantizes it, [D, V] or [V, D] as the candidate stores its layers; its first HEAD_ROWS
+vocabulary rows, scaled to the vocabulary): per-model costs are the
 layers' (a layer's products times the layer count) plus the head's. The cheaper int8 layout is
 chosen only when it is more than MARGIN below the better float layout's cost: it is an
 approximation of the float model, and whether it pays depends on the CPU (VNNI), the width (a
@@ -35,7 +36,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from collections import Counter
@@ -44,7 +44,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specjax.models import dense_layout, layers, quant
+from specjax.models import cpu_kernels, dense_layout, layers, quant
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _head(model) -> tuple[int, int, int, bool]:
 def _model_costs(layer_costs: dict, shapes, rows, head, cfg, int8s) -> dict:
   """A step's products per candidate: the float layouts' layer costs and those of the int8
   candidates `int8s` (timed here), times the layer count, plus the output layer's in float (as
-  stored: a tied table [V, D], an untied kernel [D, V]) or in int8 ([D, V])."""
+  stored: a tied table [V, D], an untied kernel [D, V]) or in int8 (in the candidate's layout)."""
   num_layers, width, vocab, tied = head
   costs = dict(layer_costs, **{f: _cost(shapes, rows, f, cfg.dtype, cfg.precision)
                                for f in int8s})
@@ -156,8 +156,8 @@ def _model_costs(layer_costs: dict, shapes, rows, head, cfg, int8s) -> dict:
   head_cost = lambda fmt: vocab / cols * _cost(((width, cols, 1),), rows, fmt, cfg.dtype,
                                                cfg.precision)
   float_head = head_cost(dense_layout.OUT_IN if tied else dense_layout.IN_OUT)
-  int8_head = head_cost(INT8)                     # the int8 output layer is [D, V] in both
-  return {f: num_layers * c + (int8_head if f in INT8_LAYOUTS else float_head)
+  # an int8 output layer is stored as its layers are: [D, V], or [V, D] with out_in
+  return {f: num_layers * c + (head_cost(f) if f in INT8_LAYOUTS else float_head)
           for f, c in costs.items()}
 
 
@@ -239,28 +239,17 @@ def _median_seconds(product, weights, k: int, rows, dt) -> list[float]:
 
 def _key(shapes, rows, dtype: str, precision: str, floats=dense_layout.LAYOUTS,
          head=None) -> str:
-  settings = dict(cpu=cpu_flags(), cores=os.cpu_count(), jaxlib=_jaxlib_version(),
+  settings = dict(cpu=cpu_kernels.cpu_flags(), cores=os.cpu_count(), jaxlib=_jaxlib_version(),
                   xla_flags=os.environ.get("XLA_FLAGS", ""), shapes=[list(s) for s in shapes],
                   rows=list(rows), dtype=dtype, precision=precision)
   if tuple(floats) != dense_layout.LAYOUTS or head is not None:   # older keys stay valid
     settings.update(floats=list(floats), head=list(head) if head else None)
   if head is not None:                          # int8 candidates: both layouts since version 2
     settings.update(int8_candidates=sorted(INT8_LAYOUTS))
+    if cpu_kernels.status().active:             # [out, in] int8 runs on specjax's kernel
+      settings.update(int8_kernel=cpu_kernels.status().describe())
   blob = json.dumps(settings, sort_keys=True).encode()
   return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def cpu_flags() -> str:
-  """The CPU's feature flags (the first `flags` line of /proc/cpuinfo; elsewhere the processor
-  name): which kernels XLA:CPU runs depends on them (AVX2, AVX-512, AMX)."""
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        if line.startswith("flags"):
-          return " ".join(sorted(line.partition(":")[2].split()))
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
 
 
 def _jaxlib_version() -> str:

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import dense_layout, hf_tensors
+from specjax.models import cpu_kernels, dense_layout, hf_tensors
 from specjax.models.hf_tensors import tree_set
 
 QUANTS = ("", "int8")      # "": the model dtype's dense layers
@@ -105,11 +105,14 @@ def dense(features: int, *, quant: str, dtype, precision, name: str, use_bias: b
              kernel_init=kernel_init, name=name)
 
 
-def int8_logits(hidden: jax.Array, vocab_size: int, subset=None, precision=None) -> jax.Array:
+def int8_logits(hidden: jax.Array, vocab_size: int, subset=None, precision=None,
+                layout: str = dense_layout.IN_OUT) -> jax.Array:
   """Inside a model's compact __call__: the int8 output layer `lm_head` (kernel [D, V], or
-  [D, K] over a models/sub_vocab.SubVocab `subset`) -> float32 logits [..., V]."""
+  [D, K] over a models/sub_vocab.SubVocab `subset`; [V, D] / [K, D] with layout "out_in") ->
+  float32 logits [..., V]."""
   rows = vocab_size if subset is None else subset.size
-  logits = Int8Dense(rows, use_bias=False, precision=precision, name="lm_head")(hidden)
+  logits = Int8Dense(rows, use_bias=False, precision=precision, layout=layout,
+                     name="lm_head")(hidden)
   return logits if subset is None else subset.expand(logits)
 
 
@@ -120,6 +123,9 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=Non
   with its own absmax scale, the product accumulated in int32. Weight-only: the kernel converted
   to x's dtype (int8 values are exact in bfloat16) inside a product at `precision` accumulated
   in float32, times the scale."""
+  if kernel.dtype != jnp.int8:
+    raise TypeError(f"an int8 layer's kernel {kernel.shape} is {kernel.dtype}: int8 models take "
+                    f"the params quant.quantize_params or an int8 load gives")
   contract = 1 if transposed else 0
   if not (rounds_activations() if w8a8 is None else w8a8):
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (contract,)), ((), ())),
@@ -127,19 +133,29 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=Non
     return y * scale
   lead, width = x.shape[:-1], x.shape[-1]
   rows = x.reshape(-1, width).astype(jnp.float32)                       # [M, K]
-  m = rows.shape[0]
-  if m == 1:                       # a one-row int8 product is XLA:CPU's slow path (docstring)
-    rows = jnp.concatenate([rows, rows], axis=0)
   amax = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)                 # [M, 1]
   row_scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
   q = jnp.round(rows / row_scale).astype(jnp.int8)
+  acc = _integer_product(q, kernel, transposed)                         # [M, N] int32
+  y = acc.astype(jnp.float32) * row_scale * scale
+  return y.reshape(*lead, scale.shape[-1])
+
+
+def _integer_product(q: jax.Array, kernel: jax.Array, transposed: bool) -> jax.Array:
+  """q [M, K] int8 times an int8 kernel ([K, N], or [N, K] when `transposed`) -> int32 [M, N]:
+  specjax's CPU kernel for an [out, in] kernel where it is built (models/cpu_kernels.py), else
+  XLA's product. The same integers either way."""
+  if transposed and jax.default_backend() == "cpu" and cpu_kernels.status().active:
+    return cpu_kernels.int8_dot(q, kernel)
+  m = q.shape[0]
+  if m == 1:                       # a one-row int8 product is XLA:CPU's slow path (docstring)
+    q = jnp.concatenate([q, q], axis=0)
   # Integer products are exact at any precision: DEFAULT keeps the ambient default (e.g. a
   # session's "highest") from choosing another algorithm for them.
-  acc = jax.lax.dot_general(q, kernel, (((1,), (contract,)), ((), ())),
+  acc = jax.lax.dot_general(q, kernel, (((1,), (1 if transposed else 0,)), ((), ())),
                             precision=jax.lax.Precision.DEFAULT,
                             preferred_element_type=jnp.int32)           # [M, N]
-  y = acc.astype(jnp.float32) * row_scale * scale
-  return y[:m].reshape(*lead, scale.shape[-1])
+  return acc[:m]
 
 
 @functools.partial(jax.jit, static_argnames="transposed")
@@ -162,7 +178,7 @@ def put(params: dict, path: tuple[str, ...], value: jax.Array, quant: str,
   float model is never held whole (the host holds one float leaf extra at a time); other leaves,
   and every leaf with quant "", as given. Finish with `with_head`."""
   if quant == "int8" and path[-1] == "kernel":
-    kernel, scale = quantize_kernel(value, transposed=dense_layout.transposes(path, layout))
+    kernel, scale = quantize_kernel(value, transposed=dense_layout.transposes(path, layout, quant))
     tree_set(params, path, kernel)
     tree_set(params, (*path[:-1], "scale"), scale)
   else:
@@ -192,12 +208,17 @@ def put_layers(params: dict, path: tuple[str, ...], read_layer, num_layers: int,
   tree_set(params, (*path[:-1], "scale"), jax.device_put(scales))
 
 
-def with_head(params: dict, quant: str, tied: bool) -> dict:
+def with_head(params: dict, quant: str, tied: bool, layout: str = dense_layout.IN_OUT) -> dict:
   """The params a loader built with `put`, with a tied int8 model's output layer added: `lm_head`
-  (kernel [D, V] int8, scale [V]) quantized from the embedding table transposed, which stays for
-  the input lookup. Unchanged for quant "" or an untied head (`put` quantized it)."""
+  (kernel [D, V] int8, scale [V]; [V, D] in layout "out_in") quantized from the embedding table,
+  which stays for the input lookup. Unchanged for quant "" or an untied head (`put` quantized
+  it)."""
   if quant == "int8" and tied:
-    kernel, scale = _quantize_transposed(params["token_embed"]["embedding"])     # [V, D] ->
+    table = params["token_embed"]["embedding"]                                   # [V, D]
+    if dense_layout.transposes(("lm_head", "kernel"), layout, quant):
+      kernel, scale = quantize_kernel(table, transposed=True)                    # [V, D]
+    else:
+      kernel, scale = _quantize_transposed(table)                                # [D, V]
     params["lm_head"] = {"kernel": kernel, "scale": scale}
   return params
 
@@ -210,8 +231,11 @@ def quantize_params(params: dict, tied: bool, layout: str = dense_layout.IN_OUT)
     parent = params
     for key in path[:-1]:
       parent = parent[key]
-    put(params, path, parent.pop("kernel"), "int8", layout)
-  return with_head(params, "int8", tied)
+    kernel = parent.pop("kernel")
+    if path[0] == "lm_head" and dense_layout.transposes(path, layout, "int8"):
+      kernel = kernel.T                              # a float head is [D, V] in either layout
+    put(params, path, kernel, "int8", layout)
+  return with_head(params, "int8", tied, layout)
 
 
 def _kernel_paths(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -382,7 +382,7 @@ class Transformer(nn.Module):
 def logits(a: Arch, hidden: jax.Array, embed: jax.Array) -> jax.Array:
   """hidden [..., D] -> f32 logits [..., V]: int8, a sub-vocabulary head, tied or untied."""
   if a.quant == "int8":
-    return quant.int8_logits(hidden, a.vocab_size, a.head_subset, a.precision)
+    return quant.int8_logits(hidden, a.vocab_size, a.head_subset, a.precision, a.layout)
   if a.head_subset is not None:
     head = Table("kernel", (a.d_model, a.head_subset.size), a.init_std, a.dtype,
                   name="lm_head")()                                            # [D, K]

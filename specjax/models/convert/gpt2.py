@@ -104,9 +104,12 @@ def params_from_hf(model: Decoder, tensors: Mapping[str, np.ndarray]) -> Params:
       quant.put_layers(params, ("layers", "attention", proj, leaf), part,   # [D, 3D] -> [D, D]
                        num_layers, dt, cfg.quant, cfg.layout)
   if not cfg.tie_word_embeddings:
-    head = read("lm_head.weight").T                                         # [V, D] -> [D, V]
-    quant.put(params, ("lm_head", "kernel"), hf_tensors.to_device(head, dt), cfg.quant)
-  params = quant.with_head(params, cfg.quant, cfg.tie_word_embeddings)
+    head = read("lm_head.weight")                                           # [V, D]
+    if not dense_layout.transposes(("lm_head", "kernel"), cfg.layout, cfg.quant):
+      head = head.T                                                         # -> [D, V]
+    quant.put(params, ("lm_head", "kernel"), hf_tensors.to_device(head, dt), cfg.quant,
+              cfg.layout)
+  params = quant.with_head(params, cfg.quant, cfg.tie_word_embeddings, cfg.layout)
   return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
 
 

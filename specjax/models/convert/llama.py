@@ -128,9 +128,10 @@ def _hf_names(model: Llama) -> dict[str, tuple[str, ...]]:
 
 def _transposed(cfg: LlamaConfig, path: tuple[str, ...]) -> bool:
   """Whether the leaf at `path` is the transpose of its HF tensor: HF Linear weights are
-  [out, in]; the LM head is [D, V] and the layers' Dense kernels [in, out] in the "in_out"
-  layout, [out, in] (HF's own, no transpose) in "out_in" (models/dense_layout.py)."""
-  return path[-1] == "kernel" and (cfg.layout == dense_layout.IN_OUT or path[0] == "lm_head")
+  [out, in]; a float LM head is [D, V] and the layers' Dense kernels [in, out] in the "in_out"
+  layout, [out, in] (HF's own, no transpose) in "out_in", an int8 head too
+  (models/dense_layout.py)."""
+  return path[-1] == "kernel" and not dense_layout.transposes(path, cfg.layout, cfg.quant)
 
 
 def _read(tensors: Mapping[str, np.ndarray], name: str, path: tuple[str, ...],
@@ -170,12 +171,12 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
     shape = tree_get(shapes, path).shape
     if path[0] != "layers":
       quant.put(params, path, jnp.asarray(_read(tensors, name, path, shape, cfg, dtype)),
-                cfg.quant)
+                cfg.quant, cfg.layout)
       continue
     layer = lambda i: _read(tensors, name.format(i=i), path, shape[1:], cfg, dtype)
     quant.put_layers(params, path, layer, cfg.num_layers, dtype, cfg.quant,   # [L, ...]
                      cfg.layout)
-  params = quant.with_head(params, cfg.quant, cfg.tie_word_embeddings)
+  params = quant.with_head(params, cfg.quant, cfg.tie_word_embeddings, cfg.layout)
   return layers.to_layout(params, cfg.scan_layers, free_stacked=True)
 
 
@@ -200,32 +201,34 @@ def _params_unrolled(tensors: Mapping[str, np.ndarray], names: dict, shapes, cfg
         raise ValueError(f"checkpoint tensor '{hf_name}' has shape {raw.shape} but the config "
                          f"implies {expect}.")
       if cfg.quant and path[0] == "lm_head":
-        _put_int8_output_layer(params, raw, dtype, lambda bad: checks.add(hf_name, bad))
+        _put_int8_output_layer(params, raw, dtype, lambda bad: checks.add(hf_name, bad),
+                               not transpose)
         continue
       value, bad = hf_tensors.to_param(raw, transpose, jnp.dtype(dtype))
       checks.add(hf_name, bad)
       quant.put(params, where, value, cfg.quant, cfg.layout)
   checks.raise_if_any()
-  return quant.with_head(params, cfg.quant, cfg.tie_word_embeddings)
+  return quant.with_head(params, cfg.quant, cfg.tie_word_embeddings, cfg.layout)
 
 
 _OUTPUT_ROWS = 16384    # vocabulary rows of an untied output layer read per step (int8 loads)
 
 
-def _put_int8_output_layer(params: dict, raw: np.ndarray, dtype, check) -> None:
-  """An untied output layer stored [V, D] -> params["lm_head"] (kernel [D, V] int8, scale [V]),
-  read, transposed and quantized _OUTPUT_ROWS rows at a time, each step finished before the next
-  starts: the same bits as quantizing the whole kernel (its scales are per vocabulary entry),
-  without its float32 copy and temporaries (Qwen's 151,936 x 1536 head: 0.9 GB each).
-  check(count) takes each step's NaN / inf count."""
+def _put_int8_output_layer(params: dict, raw: np.ndarray, dtype, check, out_in: bool) -> None:
+  """An untied output layer stored [V, D] -> params["lm_head"] (kernel [D, V] int8, [V, D] when
+  `out_in`, scale [V]), read, transposed if so and quantized _OUTPUT_ROWS rows at a time, each
+  step finished before the next starts: the same bits as quantizing the whole kernel (its scales
+  are per vocabulary entry), without its float32 copy and temporaries (Qwen's 151,936 x 1536
+  head: 0.9 GB each). check(count) takes each step's NaN / inf count."""
   kernels, scales = [], []
   for start in range(0, raw.shape[0], _OUTPUT_ROWS):
-    value, bad = hf_tensors.to_param(raw[start:start + _OUTPUT_ROWS], True, jnp.dtype(dtype))
+    value, bad = hf_tensors.to_param(raw[start:start + _OUTPUT_ROWS], not out_in,
+                                     jnp.dtype(dtype))
     check(bad)
-    kernel, scale = jax.block_until_ready(quant.quantize_kernel(value))    # [D, rows], [rows]
-    kernels.append(kernel)
-    scales.append(scale)
-  params["lm_head"] = {"kernel": jnp.concatenate(kernels, axis=1),            # [D, V]
+    kernel, scale = jax.block_until_ready(quant.quantize_kernel(value, transposed=out_in))
+    kernels.append(kernel)                            # [D, rows] or [rows, D]
+    scales.append(scale)                              # [rows]
+  params["lm_head"] = {"kernel": jnp.concatenate(kernels, axis=0 if out_in else 1),
                        "scale": jnp.concatenate(scales)}
 
 

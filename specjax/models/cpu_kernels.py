@@ -1,0 +1,144 @@
+"""specjax's own CPU kernel: the int8 product of int8 layers stored [out, in] (models/quant.py),
+built once per machine with its C++ compiler and called from XLA through the FFI.
+
+Why: a decoding step reads every weight once, so an int8 step should cost a quarter of a float32
+one. XLA:CPU's s8 x s8 -> s32 product reads int8 weights at about 10-13 GB/s on a 2-core AVX-512
+machine, where its float32 product streams 33-43 GB/s, and it has a slow path for a one-row
+product. `cpu_int8.cc` streams each weight row once and multiplies every activation row by it
+(AVX-512 VNNI, AVX2, or plain C++, as the compiler's -march=native finds the CPU), splitting the
+rows over XLA's intra-op threads. Its sums are the same int32 numbers XLA's product gives (exact
+integer arithmetic), so a model's outputs are the same bits with either kernel.
+
+Building: the first use compiles cpu_int8.cc with $CXX (else c++ or g++) at -O3 -march=native
+against jax's FFI headers, into CACHE/kernels/ under a key of the source, the compiler's
+version, the CPU's flags and jaxlib's version (CACHE: $SPECJAX_CACHE, else ~/.cache/specjax). A
+couple of seconds, once. $SPECJAX_INT8_KERNEL chooses: "xla" (XLA's product), "specjax" (this
+kernel; an error when it cannot be built), unset: this kernel when it builds, else XLA's with a
+warning that says why and what to install.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_int8.cc")
+TARGET = "specjax_int8_dot"
+ENV = "SPECJAX_INT8_KERNEL"
+KERNELS = ("xla", "specjax")     # the values of $SPECJAX_INT8_KERNEL
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+_BUILD_TIMEOUT_S = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+  """Whether int8 products of [out, in] kernels run on specjax's kernel (`active`), and a line
+  saying which and why (`describe`), with the instruction set it was built for ("" if not)."""
+  active: bool
+  why: str
+  isa: str = ""
+
+  def describe(self) -> str:
+    if self.active:
+      return f"specjax's CPU kernel ({self.isa})"
+    return f"XLA's product ({self.why})"
+
+
+def int8_dot(q: jax.Array, kernel: jax.Array) -> jax.Array:
+  """q [M, K] int8 times kernel [N, K] int8 (an [out, in] int8 layer) -> int32 [M, N], on
+  specjax's kernel (where status().active). vmap runs it once per mapped element."""
+  if not status().active:
+    raise RuntimeError(f"specjax's int8 CPU kernel is not in use: {status().why}")
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((q.shape[0], kernel.shape[0]), jnp.int32),
+                          vmap_method="sequential")
+  return call(q, kernel)
+
+
+@functools.cache
+def status() -> Status:
+  """The kernel for this process, decided once: $SPECJAX_INT8_KERNEL, else built (or found
+  built) and registered with XLA, else XLA's product with the reason logged as a warning."""
+  pinned = os.environ.get(ENV, "")
+  if pinned and pinned not in KERNELS:
+    raise ValueError(f"${ENV}={pinned!r}: use one of {', '.join(KERNELS)}, or unset it "
+                     f"(specjax's kernel where it builds)")
+  if pinned == "xla":
+    return Status(False, f"${ENV}=xla")
+  try:
+    isa = _register(_build(), TARGET)
+  except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+    if pinned == "specjax":
+      raise RuntimeError(f"${ENV}=specjax, but specjax's int8 CPU kernel could not be built: "
+                         f"{err}") from None
+    log.warning("int8 products use XLA's kernel, about 2x slower here: specjax's CPU kernel "
+                "could not be built (%s); install a C++ compiler (g++) or set $CXX", err)
+    return Status(False, f"specjax's kernel could not be built: {err}")
+  return Status(True, "built", isa)
+
+
+def _compiler() -> str:
+  found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+  if not found:
+    raise RuntimeError("no C++ compiler found (c++, g++ or $CXX)")
+  return found
+
+
+def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
+  """The compiled kernel: CACHE/kernels/int8-KEY.so, compiled with `flags` when absent (module
+  docstring); written under a temporary name and renamed, so that concurrent builds never see
+  half a file."""
+  compiler = _compiler()
+  version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                           timeout=60, check=True).stdout
+  key = hashlib.sha256("\0".join([SOURCE.read_text(encoding="utf-8"), version, cpu_flags(),
+                                  jax.__version__, " ".join(flags)]).encode()).hexdigest()[:16]
+  root = Path(os.environ.get("SPECJAX_CACHE") or Path.home() / ".cache" / "specjax")
+  library = root / "kernels" / f"int8-{key}.so"
+  if library.exists():
+    return library
+  library.parent.mkdir(parents=True, exist_ok=True)
+  tmp = library.with_name(f".{library.name}.{os.getpid()}.tmp")
+  command = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+  log.info("building specjax's int8 CPU kernel (once per machine): %s", " ".join(command))
+  done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+  if done.returncode != 0:
+    tmp.unlink(missing_ok=True)
+    raise RuntimeError(f"{Path(compiler).name} exited with {done.returncode}: "
+                       f"{done.stderr.strip()[-600:]}")
+  os.replace(tmp, library)
+  return library
+
+
+def _register(library: Path, target: str) -> str:
+  """Loads the kernel, registers it with XLA:CPU as `target`; returns its instruction set."""
+  lib = ctypes.cdll.LoadLibrary(str(library))
+  lib.SpecjaxInt8Isa.restype = ctypes.c_char_p
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.SpecjaxInt8Dot), platform="cpu")
+  return lib.SpecjaxInt8Isa().decode()
+
+
+def cpu_flags() -> str:
+  """The CPU's feature flags (the first `flags` line of /proc/cpuinfo; elsewhere the processor
+  name): which kernels a CPU runs, XLA's or this module's, depends on them (AVX2, AVX-512,
+  VNNI, AMX)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return " ".join(sorted(line.partition(":")[2].split()))
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()

@@ -1,0 +1,126 @@
+"""specjax's int8 CPU kernel (models/cpu_kernels.py): the same integers as XLA's product for
+every shape and instruction-set path, used by [out, in] int8 layers, and a clear account of
+which kernel runs when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.models import cpu_kernels, quant
+
+needs_compiler = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not (shutil.which("c++") or shutil.which("g++")),
+    reason="specjax's int8 kernel is built for the CPU backend with a C++ compiler")
+
+# (M, K, N): one row; rows past the kernel's 8-row block (17); K not a multiple of its 64- or
+# 16-byte step; N below one 16-row chunk and across many; a wide K.
+SHAPES = [(1, 64, 16), (2, 100, 37), (5, 130, 7), (8, 1536, 513), (9, 200, 300),
+          (17, 96, 40), (3, 2304, 64)]
+
+
+def _operands(m, k, n, seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.integers(-127, 128, (m, k), dtype=np.int8)
+  q[0, :3] = (127, -127, 0)                       # the extremes of quantized activations
+  w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+  return q, w, q.astype(np.int64) @ w.astype(np.int64).T
+
+
+@needs_compiler
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_the_kernel_gives_the_integer_product(m, k, n):
+  assert cpu_kernels.status().active, cpu_kernels.status().why
+  q, w, want = _operands(m, k, n)
+  got = jax.jit(cpu_kernels.int8_dot)(jnp.asarray(q), jnp.asarray(w))
+  assert got.dtype == jnp.int32 and got.shape == (m, n)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@needs_compiler
+def test_under_vmap_and_inside_a_loop():
+  q, w, want = _operands(3, 128, 40)
+  stacked = jnp.stack([jnp.asarray(q), jnp.asarray(q[::-1])])
+  got = jax.jit(jax.vmap(cpu_kernels.int8_dot, in_axes=(0, None)))(stacked, jnp.asarray(w))
+  np.testing.assert_array_equal(np.asarray(got[1]), want[::-1])
+  body = lambda i, acc: acc + cpu_kernels.int8_dot(jnp.asarray(q), jnp.asarray(w))
+  total = jax.jit(lambda: jax.lax.fori_loop(0, 3, body, jnp.zeros((3, 40), jnp.int32)))()
+  np.testing.assert_array_equal(np.asarray(total), 3 * want)
+
+
+@needs_compiler
+@pytest.mark.parametrize("march, isa", [("x86-64", "generic"), ("haswell", "avx2")])
+def test_each_instruction_set_path(tmp_path, monkeypatch, march, isa):
+  """The paths a CPU without AVX-512 VNNI compiles (the build uses -march=native, so this
+  machine's own path is the tests above)."""
+  if "avx2" not in cpu_kernels.cpu_flags().split() and isa == "avx2":
+    pytest.skip("this CPU runs no AVX2 code")
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_kernels._FLAGS)
+  target = f"specjax_int8_dot_{isa}"
+  assert cpu_kernels._register(cpu_kernels._build(flags), target) == isa
+  for m, k, n in SHAPES:
+    q, w, want = _operands(m, k, n, seed=1)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(q, w)), want)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 5])
+def test_out_in_int8_layers_give_xla_s_bits(monkeypatch, rows):
+  """int8_matmul of an [out, in] kernel on specjax's kernel equals XLA's product of the same
+  kernel bit for bit (the model-level check: tests/test_quant.py's out_in test)."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
+  kernel = jnp.asarray(rng.integers(-127, 128, (40, 96), dtype=np.int8))
+  scale = jnp.asarray(rng.random(40) + 0.5, jnp.float32)
+  product = lambda: jax.jit(lambda x: quant.int8_matmul(x, kernel, scale, transposed=True))(x)
+  ours = product()
+  monkeypatch.setattr(cpu_kernels, "status", lambda: cpu_kernels.Status(False, "test"))
+  xla = product()
+  np.testing.assert_array_equal(np.asarray(ours), np.asarray(xla))
+
+
+@pytest.fixture
+def fresh_status():
+  cpu_kernels.status.cache_clear()
+  yield
+  cpu_kernels.status.cache_clear()
+
+
+def test_the_environment_chooses_and_a_failed_build_says_why(monkeypatch, tmp_path, caplog,
+                                                             fresh_status):
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  monkeypatch.setenv("SPECJAX_INT8_KERNEL", "xla")
+  assert not cpu_kernels.status().active
+  assert cpu_kernels.status().describe() == "XLA's product ($SPECJAX_INT8_KERNEL=xla)"
+  cpu_kernels.status.cache_clear()
+  monkeypatch.setenv("SPECJAX_INT8_KERNEL", "fast")
+  with pytest.raises(ValueError, match=r"\$SPECJAX_INT8_KERNEL='fast': use one of xla, specjax"):
+    cpu_kernels.status()
+  monkeypatch.delenv("SPECJAX_INT8_KERNEL")
+  monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+  with caplog.at_level(logging.WARNING, logger="specjax.models.cpu_kernels"):
+    status = cpu_kernels.status()
+  assert not status.active and "could not be built" in status.why
+  assert "install a C++ compiler (g++) or set $CXX" in caplog.text
+  with pytest.raises(RuntimeError, match="not in use"):
+    cpu_kernels.int8_dot(jnp.zeros((1, 4), jnp.int8), jnp.zeros((2, 4), jnp.int8))
+  cpu_kernels.status.cache_clear()
+  monkeypatch.setenv("SPECJAX_INT8_KERNEL", "specjax")
+  with pytest.raises(RuntimeError, match="SPECJAX_INT8_KERNEL=specjax, but specjax's int8 CPU "
+                                         "kernel could not be built"):
+    cpu_kernels.status()
+
+
+@needs_compiler
+def test_a_compile_error_is_reported_and_nothing_is_kept(monkeypatch, tmp_path):
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  with pytest.raises(RuntimeError, match="exited with"):
+    cpu_kernels._build(cpu_kernels._FLAGS + ("-fno-such-flag",))
+  assert not list((tmp_path / "kernels").iterdir())            # no half-built library kept

@@ -90,7 +90,7 @@ def test_attention_splits_by_whole_kv_head_groups():
 
 def test_out_in_layout_swaps_the_kernel_axes(monkeypatch):
   """layout="out_in" stores Dense kernels [out, in]: their logical axes are swapped, so the
-  same dims split; biases, the embedding and the LM head keep theirs."""
+  same dims split; biases, the embedding and a float LM head keep theirs."""
   gqa = llama.Llama(llama.LlamaConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=8,
                                       num_kv_heads=2, head_dim=4, d_ff=64, qkv_bias=True,
                                       layout="out_in"))
@@ -100,6 +100,10 @@ def test_out_in_layout_swaps_the_kernel_axes(monkeypatch):
   assert out_in("layers", "mlp", "wo", "kernel") == ("layers", "embed", "mlp")
   assert sharding.leaf_axes(("layers", "mlp", "wi_0", "bias"), 2, "out_in") == ("layers", "mlp")
   assert sharding.leaf_axes(("lm_head", "kernel"), 2, "out_in") == ("embed", "vocab")
+  # an int8 output layer is stored [V, D] with out_in (models/dense_layout.transposes)
+  assert sharding.leaf_axes(("lm_head", "kernel"), 2, "out_in", "int8") == ("vocab", "embed")
+  assert sharding.leaf_axes(("lm_head", "kernel"), 2, "in_out", "int8") == ("embed", "vocab")
+  assert sharding.leaf_axes(("lm_head", "scale"), 1, "out_in", "int8") == ("vocab",)
   assert sharding.leaf_axes(("token_embed", "embedding"), 2, "out_in") == ("vocab", "embed")
   monkeypatch.setattr(sharding, "NamedSharding", lambda mesh, spec: spec)   # a fake mesh's
   for layout, gate in (("out_in", P(None, "model", None)), ("in_out", P(None, None, "model"))):

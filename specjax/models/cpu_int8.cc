@@ -37,10 +37,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kMaxRows = 8;  // activation rows multiplied per pass over a weight row
-#ifndef SPECJAX_L1_BYTES
-#define SPECJAX_L1_BYTES (16 << 10)
-#endif
-constexpr int64_t kL1Bytes = SPECJAX_L1_BYTES;  // activations up to this size are read from L1
+constexpr int64_t kL1Bytes = 16 << 10;  // activations up to this size are read from L1
 
 // The activations as the inner loop reads them: as given, with 128 x each row's sum of the
 // first K - K % 64 entries (avx512-vnni), or widened to int16 (avx2).

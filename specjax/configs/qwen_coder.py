@@ -44,7 +44,7 @@ def get_config():
   c.target = common.model("pypi:qwen-coder/target", quant="auto")
   c.draft = common.draft("pypi:qwen-coder/draft", quant="auto")
   c.rule = common.rule("greedy")
-  c.decode = common.decode(gamma=3, temperature=0.0, max_new_tokens=64)   # best with int8
+  c.decode = common.decode(gamma=3, temperature=0.0, max_new_tokens=64)   # docs/results.md
   c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
   c.distributed = common.distributed()
   c.prompts = list(PROMPTS)

@@ -10,15 +10,19 @@ weight-only never asks for. Which is faster than bfloat16 weights on a given acc
 eval.bench's --quant int8 rows; quant="auto" keeps the model dtype there until measured.
 
 Why W8A8 on the CPU: a decoding step is a matrix-vector product that reads every
-weight once, so its time is the weights' bytes; int8 reads a quarter of float32's. XLA:CPU runs
-an int8 x int8 -> int32 product of two or more rows through its integer kernels (VNNI where the
-CPU has it), while a float32 x dequantized-int8 product or a one-row int8 product falls back to
-a slow loop (about 15x float32's time). So activations are quantized too, and a one-row product
-is padded to two rows (the extra row costs nothing next to the weights' bytes).
+weight once, so its time is the weights' bytes; int8 reads a quarter of float32's. A kernel
+stored [out, in] is multiplied by specjax's own CPU kernel (models/cpu_kernels.py: int8 x int8
+-> int32, streaming each weight row once for every activation row, at about float32's bytes per
+second). One stored [in, out], or any where that kernel cannot be built, goes through XLA:CPU's
+int8 x int8 -> int32 product, which runs two or more rows through its integer kernels, while a
+float32 x dequantized-int8 product or a one-row int8 product falls back to a slow loop (about
+15x float32's time); so activations are quantized, and a one-row product is padded to two rows
+there. Both give the same int32 sums.
 
 What is quantized: every Dense kernel of the transformer layers (attention q/k/v/out, the MLP)
-and the output layer (a tied head gets an int8 copy of the embedding table, [D, V]: at a quarter
-of float32's bytes it is read once per step where the float table was). The embedding table
+and the output layer (a tied head gets an int8 copy of the embedding table, [D, V], or [V, D]
+with layout out_in: at a quarter of float32's bytes it is read once per step where the float
+table was). The embedding table
 stays in the model dtype for the input lookup, which reads one row per token.
 
 Speculative decoding is exact relative to the quantized W8A8 target because the int8 model is one

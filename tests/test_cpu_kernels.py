@@ -90,9 +90,10 @@ def test_out_in_int8_layers_give_xla_s_bits(monkeypatch, rows):
 
 @pytest.fixture
 def fresh_status():
-  cpu_kernels.status.cache_clear()
+  """status() decided again in the test, and again after it (for the tests that follow)."""
+  cpu_kernels._decided.cache_clear()
   yield
-  cpu_kernels.status.cache_clear()
+  cpu_kernels._decided.cache_clear()
 
 
 def test_the_environment_chooses_and_a_failed_build_says_why(monkeypatch, tmp_path, caplog,
@@ -101,7 +102,7 @@ def test_the_environment_chooses_and_a_failed_build_says_why(monkeypatch, tmp_pa
   monkeypatch.setenv("SPECJAX_INT8_KERNEL", "xla")
   assert not cpu_kernels.status().active
   assert cpu_kernels.status().describe() == "XLA's product ($SPECJAX_INT8_KERNEL=xla)"
-  cpu_kernels.status.cache_clear()
+  cpu_kernels._decided.cache_clear()
   monkeypatch.setenv("SPECJAX_INT8_KERNEL", "fast")
   with pytest.raises(ValueError, match=r"\$SPECJAX_INT8_KERNEL='fast': use one of xla, specjax"):
     cpu_kernels.status()
@@ -113,7 +114,7 @@ def test_the_environment_chooses_and_a_failed_build_says_why(monkeypatch, tmp_pa
   assert "install a C++ compiler (g++) or set $CXX" in caplog.text
   with pytest.raises(RuntimeError, match="not in use"):
     cpu_kernels.int8_dot(jnp.zeros((1, 4), jnp.int8), jnp.zeros((2, 4), jnp.int8))
-  cpu_kernels.status.cache_clear()
+  cpu_kernels._decided.cache_clear()
   monkeypatch.setenv("SPECJAX_INT8_KERNEL", "specjax")
   with pytest.raises(RuntimeError, match="SPECJAX_INT8_KERNEL=specjax, but specjax's int8 CPU "
                                          "kernel could not be built"):
@@ -126,3 +127,19 @@ def test_a_compile_error_is_reported_and_nothing_is_kept(monkeypatch, tmp_path):
   with pytest.raises(RuntimeError, match="exited with"):
     cpu_kernels._build(cpu_kernels._FLAGS + ("-fno-such-flag",))
   assert not list((tmp_path / "kernels").iterdir())            # no half-built library kept
+
+
+@needs_compiler
+def test_threads_deciding_at_once_decide_once(monkeypatch, fresh_status):
+  """Two threads tracing int8 layers at once (e.g. a background compile) build and register the
+  kernel once; a decision made again in the process keeps the registered library."""
+  import threading
+  built = []
+  real = cpu_kernels._build
+  monkeypatch.setattr(cpu_kernels, "_build", lambda: built.append(1) or real())
+  threads = [threading.Thread(target=cpu_kernels.status) for _ in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert built == [1] and cpu_kernels.status().active

@@ -28,6 +28,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import jax
@@ -67,10 +68,18 @@ def int8_dot(q: jax.Array, kernel: jax.Array) -> jax.Array:
   return call(q, kernel)
 
 
-@functools.cache
+_DECIDING = threading.Lock()
+
+
 def status() -> Status:
   """The kernel for this process, decided once: $SPECJAX_INT8_KERNEL, else built (or found
   built) and registered with XLA, else XLA's product with the reason logged as a warning."""
+  with _DECIDING:                   # two threads tracing at once build and register it once
+    return _decided()
+
+
+@functools.cache
+def _decided() -> Status:
   pinned = os.environ.get(ENV, "")
   if pinned and pinned not in KERNELS:
     raise ValueError(f"${ENV}={pinned!r}: use one of {', '.join(KERNELS)}, or unset it "
@@ -122,12 +131,19 @@ def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
   return library
 
 
+_REGISTERED: dict[str, str] = {}     # target -> the instruction set of the library behind it
+
+
 def _register(library: Path, target: str) -> str:
-  """Loads the kernel, registers it with XLA:CPU as `target`; returns its instruction set."""
-  lib = ctypes.cdll.LoadLibrary(str(library))
-  lib.SpecjaxInt8Isa.restype = ctypes.c_char_p
-  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.SpecjaxInt8Dot), platform="cpu")
-  return lib.SpecjaxInt8Isa().decode()
+  """Loads the kernel, registers it with XLA:CPU as `target`; returns its instruction set. A
+  target is registered once per process (XLA refuses a second library under one name): later
+  calls return the first one's instruction set."""
+  if target not in _REGISTERED:
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    lib.SpecjaxInt8Isa.restype = ctypes.c_char_p
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.SpecjaxInt8Dot), platform="cpu")
+    _REGISTERED[target] = lib.SpecjaxInt8Isa().decode()
+  return _REGISTERED[target]
 
 
 def cpu_flags() -> str:

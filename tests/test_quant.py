@@ -193,8 +193,12 @@ def test_string_level_gives_the_int8_targets_prompt_the_bits_of_autoregressive_d
 V, MAX_NEW, PROMPT, N_RUNS = 4, 3, [1, 2, 1], 20_000
 
 
-def _pvalue(rule) -> float:
-  target, tparams = _quantized(*testing.tiny_decoder(seed=5, vocab_size=V))
+def _pvalue(rule, layout: str = "in_out") -> float:
+  from specjax.models import dense_layout
+  model = dense_layout.with_layout(testing.tiny_decoder(seed=5, vocab_size=V)[0], layout)
+  floats = testing._spread(model.init_params(jax.random.PRNGKey(5)))
+  target = dataclasses.replace(model, config=dataclasses.replace(model.config, quant="int8"))
+  tparams = quant.quantize_params(floats, model.config.tie_word_embeddings, layout)
   draft, dparams = testing.tiny_decoder(seed=6, vocab_size=V)
   warp = Warp(temperature=1.0)
   gen = loop.generate(target, tparams, draft, dparams, Prompt.from_lists([PROMPT] * N_RUNS),
@@ -206,8 +210,9 @@ def _pvalue(rule) -> float:
 
 
 @pytest.mark.slow   # the law test and its broken twin: 30 s (greedy on int8 runs by default)
-def test_exact_sd_keeps_the_quantized_targets_law():
-  assert _pvalue(registry.get("exact")) > 1e-3
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])   # XLA's product, specjax's kernel
+def test_exact_sd_keeps_the_quantized_targets_law(layout):
+  assert _pvalue(registry.get("exact"), layout) > 1e-3
 
 
 @pytest.mark.slow

@@ -131,26 +131,46 @@ int32_t Sum8(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// G weight rows at a time, side by side, so that each activation vector (int16, twice the
+// int8 bytes) loaded from L2 serves G rows; G = 1 reads one row after the other.
+template <int MB, int G>
+void WeightRowGroups(const Activations& act, int64_t m0, const int8_t* w, int32_t* out,
+                     int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t k16 = K & ~int64_t(15);
+  const int16_t* a16 = act.s16.data() + m0 * K;
+  for (int64_t n = n0; n < n1; n += G) {
+    __m256i acc[G][MB];
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MB; ++m) acc[g][m] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < k16; k += 16) {
+      __m256i wv[G];
+      for (int g = 0; g < G; ++g)
+        wv[g] = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + g) * K + k)));
+      for (int m = 0; m < MB; ++m) {
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a16 + m * K + k));
+        for (int g = 0; g < G; ++g)
+          acc[g][m] = _mm256_add_epi32(acc[g][m], _mm256_madd_epi16(av, wv[g]));
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MB; ++m)
+        out[(m0 + m) * N + n + g] =
+            Sum8(acc[g][m]) + Dot(act.raw + (m0 + m) * K, w + (n + g) * K, k16, K);
+  }
+}
+
 template <int MB>
 void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
                 int64_t K, int64_t n0, int64_t n1) {
-  const int64_t k16 = K & ~int64_t(15);
-  const int16_t* a16 = act.s16.data() + m0 * K;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* wr = w + n * K;
-    __m256i acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < k16; k += 16) {
-      const __m256i wv =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k)));
-      for (int m = 0; m < MB; ++m) {
-        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a16 + m * K + k));
-        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(av, wv));
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      out[(m0 + m) * N + n] = Sum8(acc[m]) + Dot(act.raw + (m0 + m) * K, wr, k16, K);
+  constexpr int G = MB <= 2 ? 4 : MB <= 5 ? 2 : 1;   // G x MB accumulators in 16 registers
+  if (G == 1 || 2 * MB * K <= kL1Bytes) {
+    WeightRowGroups<MB, 1>(act, m0, w, out, N, K, n0, n1);
+    return;
   }
+  const int64_t whole = n0 + (n1 - n0) / G * G;
+  WeightRowGroups<MB, G>(act, m0, w, out, N, K, n0, whole);
+  WeightRowGroups<MB, 1>(act, m0, w, out, N, K, whole, n1);
 }
 #else
 template <int MB>

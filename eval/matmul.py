@@ -1,7 +1,7 @@
 """What a verify pass costs on this backend, one matrix multiply at a time: [M, K] x weights for
 M = 1 (a decoding step) and M = 2..8 (a verify pass over gamma + 1 positions), in float32,
-bfloat16 and int8 (models/quant.py's W8A8 product), with the weights stored [K, N]
-(specjax's kernels) or [N, K] (PyTorch's layout).
+bfloat16, int8 (models/quant.py's W8A8 product) and int4 (W4A8, [N, K] only), with the weights
+stored [K, N] (Flax's layout) or [N, K] (PyTorch's).
 
     python -m eval.matmul                                  # Qwen2.5-1.5B's MLP matrix, 1536 x 8960
     python -m eval.matmul --k 896 --n 4864 --rows 1,2,5 --output_json matmul.json
@@ -33,6 +33,7 @@ from specjax.app import cli, outputs
 from specjax.models import quant
 
 LAYOUTS = {"KN": (((1,), (0,)), ((), ())), "NK": (((1,), (1,)), ((), ()))}
+QUANTIZED = ("int8", "int4")
 
 
 def parse_args(argv):
@@ -69,14 +70,16 @@ def measure(k: int, n: int, rows: list[int], dtypes: list[str], repeats: int,
   records = []
   for dtype in dtypes:
     for layout, dims in LAYOUTS.items():
+      if dtype == "int4" and layout == "KN":
+        continue                                         # int4 layers are stored [N, K] only
       fn, w, args = _product(dtype, weights if layout == "KN" else weights.T, dims,
                              transposed=layout == "NK")
       stored = [args] + [tuple(jnp.array(a, copy=True) for a in args) for _ in range(copies - 1)]
       for m in rows:
-        x = jnp.ones((m, k), jnp.float32 if dtype == "int8" else dtype)
+        x = jnp.ones((m, k), jnp.float32 if dtype in QUANTIZED else dtype)
         ms = 1e3 * time_call(fn, x, stored, repeats=max(repeats, copies))
         records.append(dict(dtype=dtype, layout=layout, rows=m, k=k, n=n, ms=ms, copies=copies,
-                            weight_gb_per_s=w.nbytes / ms / 1e6,
+                            weight_gb_per_s=sum(a.nbytes for a in args) / ms / 1e6,
                             gflop_per_s=2 * m * k * n / ms / 1e6))
   best_1 = min(r["ms"] for r in records if r["rows"] == 1)
   for r in records:
@@ -87,9 +90,12 @@ def measure(k: int, n: int, rows: list[int], dtypes: list[str], repeats: int,
 
 
 def _product(dtype: str, weights: np.ndarray, dims, transposed: bool = False):
-  """(jitted fn(x, *args), the weights as stored, args): a float product of `dtype`, or int8
+  """(jitted fn(x, *args), the weights as stored, args): a float product of `dtype`, int8
   weights (stored [N, K] when `transposed`) with activations quantized per row
-  (models/quant.int8_matmul: W8A8)."""
+  (models/quant.int8_matmul: W8A8), or int4 weights, [N, K] (quant.int4_matmul: W4A8)."""
+  if dtype == "int4":
+    packed, scale = quant.quantize_kernel(jnp.asarray(weights), True, "int4")
+    return jax.jit(quant.int4_matmul), packed, (packed, scale)
   if dtype == "int8":
     kernel, scale = quant.quantize_kernel(jnp.asarray(weights), transposed=transposed)
     product = functools.partial(quant.int8_matmul, transposed=transposed)
@@ -120,9 +126,10 @@ def main(argv=None) -> int:
     output = flags.output_file(args.output_json, "--output_json")
     cli.setup()
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    unknown = [d for d in dtypes if d not in ("float32", "bfloat16", "float16", "int8")]
+    unknown = [d for d in dtypes if d not in ("float32", "bfloat16", "float16") + QUANTIZED]
     if unknown or not dtypes:
-      raise ValueError(f"--dtypes: use float32, bfloat16, float16 or int8 (got {args.dtypes!r})")
+      raise ValueError(f"--dtypes: use float32, bfloat16, float16, int8 or int4 (got "
+                       f"{args.dtypes!r})")
     records = measure(args.k, args.n, rows, dtypes, args.repeats, args.copies)
     print(table(records), flush=True)
     if output:

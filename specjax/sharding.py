@@ -109,12 +109,13 @@ def leaf_axes(names: tuple[str, ...], ndim: int, layout: str = "in_out",
               quant: str = "") -> tuple[str | None, ...]:
   """Logical axes of a param leaf from its path names and rank (see the module docstring);
   layout: the model's dense-kernel layout ("in_out" or "out_in": Dense kernels' axes swapped,
-  and an int8 model's (quant "int8") output layer's too: models/dense_layout.transposes)."""
+  and a quantized model's (quant "int8" or "int4") output layer's too:
+  models/dense_layout.transposes). An int4 layer's scale [out, in / 64] takes its kernel's axes."""
   leaf = names[-1] if names else ""
   parent = names[-2] if len(names) > 1 else ""
-  if leaf == "kernel":
+  if leaf == "kernel" or (leaf == "scale" and quant == "int4"):
     axes = PARAM_AXES.get(parent)
-    if layout == OUT_IN and axes is not None and (parent != "lm_head" or quant == "int8"):
+    if layout == OUT_IN and axes is not None and (parent != "lm_head" or quant):
       axes = axes[::-1]
   elif leaf in ("bias", "scale") and parent in PARAM_AXES and len(PARAM_AXES[parent]) == 2:
     axes = PARAM_AXES[parent][-1:]                  # a Dense bias or int8 scale: [out]

@@ -64,12 +64,22 @@ def test_each_instruction_set_path(tmp_path, monkeypatch, march, isa):
     pytest.skip("this CPU runs no AVX2 code")
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
   flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_kernels._FLAGS)
-  target = f"specjax_int8_dot_{isa}"
-  assert cpu_kernels._register(cpu_kernels._build(flags), target) == isa
+  prefix = f"specjax_{isa}"
+  assert cpu_kernels._register(cpu_kernels._build(flags), prefix) == isa
   for m, k, n in SHAPES:
     q, w, want = _operands(m, k, n, seed=1)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.int32))
+    call = jax.ffi.ffi_call(f"{prefix}_int8_dot", jax.ShapeDtypeStruct((m, n), jnp.int32))
     np.testing.assert_array_equal(np.asarray(jax.jit(call)(q, w)), want)
+  # int4 (quant.int4_matmul's product): the same numbers as this machine's own build
+  rng = np.random.default_rng(2)
+  for m, k, n in [(1, 128, 16), (3, 192, 33), (9, 896, 40)]:
+    packed, scale = quant.pack_int4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32))
+    q = jnp.asarray(rng.integers(-127, 128, (m, k), dtype=np.int8))
+    call = jax.ffi.ffi_call(f"{prefix}_int4_dot", jax.ShapeDtypeStruct((m, n), jnp.float32))
+    want = np.asarray(q, np.float64) @ np.asarray(quant.dequantize_int4(packed, scale),
+                                                  np.float64).T
+    np.testing.assert_allclose(np.asarray(jax.jit(call)(q, packed, scale)), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
 
 
 @needs_compiler

@@ -204,7 +204,7 @@ def test_matmul_tool_measures_every_case_and_refuses_bad_flags(tmp_path, capsys)
   assert "--copies must be at least 1" in _error_line(capsys)
   assert matmul.main(["--rows", "2,x"]) == 2
   assert "--rows must be comma-separated" in _error_line(capsys)
-  assert matmul.main(["--dtypes", "int4"]) == 2
+  assert matmul.main(["--dtypes", "int3"]) == 2
   assert "--dtypes: use float32" in _error_line(capsys)
 
 

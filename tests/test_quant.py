@@ -107,7 +107,7 @@ def test_weight_only_int8_as_on_an_accelerator(weight_only):
   assert not int8.config.arch().width_invariant
   hidden = jnp.asarray(np.random.RandomState(0).randn(2, model.config.d_model), jnp.float32)
   head = qparams["lm_head"]
-  layer = quant.Int8Dense(32, use_bias=False, precision=jax.lax.Precision.HIGHEST)
+  layer = quant.QuantDense(32, use_bias=False, precision=jax.lax.Precision.HIGHEST)
   got = layer.apply({"params": head}, hidden)
   want = jnp.matmul(hidden, head["kernel"].astype(jnp.float32) * head["scale"],
                     precision=jax.lax.Precision.HIGHEST)
@@ -222,8 +222,8 @@ def test_a_broken_rule_fails_the_same_law_test():
 
 def test_a_bad_quant_is_refused():
   from specjax.models.decoder import DecoderConfig
-  with pytest.raises(ValueError, match="quant 'int4' is not supported"):
-    DecoderConfig(quant="int4")
+  with pytest.raises(ValueError, match="quant 'int3' is not supported"):
+    DecoderConfig(quant="int3")
 
 
 def test_int8_loads_weight_only_off_the_cpu(monkeypatch, tmp_path, caplog):
@@ -312,10 +312,10 @@ def test_int8_kernels_stored_out_in_give_the_in_out_bits(tmp_path, family, scan)
 def test_an_encoder_decoder_is_refused_with_the_families_that_have_it():
   from specjax.api import loading
   model, _ = testing.tiny_t5()
-  with pytest.raises(ValueError, match="int8 layers exist for the decoder-only families"):
+  with pytest.raises(ValueError, match="quantized layers exist for the decoder-only families"):
     loading._quantized(model, "int8", "target")
-  with pytest.raises(ValueError, match="quant='int4': use int8"):
-    loading.load("builtin:tiny/target", quant="int4")
+  with pytest.raises(ValueError, match="quant='int3': use int8, int4"):
+    loading.load("builtin:tiny/target", quant="int3")
 
 
 @pytest.mark.parametrize("layout", ["in_out", "out_in"])
@@ -392,5 +392,5 @@ def test_load_resolves_auto_by_measuring_and_says_why(monkeypatch, tmp_path, cap
   monkeypatch.setenv("SPECJAX_QUANT", "yes")
   with pytest.raises(ValueError, match=r"\$SPECJAX_QUANT='yes': use int8 or off"):
     loading.load(str(path), quant="auto")
-  with pytest.raises(ValueError, match="quant='int4': use int8, auto"):
-    loading.load(str(path), quant="int4")
+  with pytest.raises(ValueError, match="quant='int3': use int8, int4, auto"):
+    loading.load(str(path), quant="int3")

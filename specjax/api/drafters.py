@@ -97,15 +97,16 @@ def _most_frequent(tokenizer, vocab: int, k, counts, flag: str, who: str) -> Sub
 
 def _cut_head(params, subset: SubVocab, quant: str, tied: bool, layout: str) -> dict:
   """The `lm_head` params of a head that scores `subset` only, cut from a model's `params`: an
-  int8 kernel [D, k] ([k, D] in layout out_in) with its scale [k], or a float kernel [D, k]
-  from the embedding (tied) or from the full [D, V] kernel."""
+  int8 kernel [D, k] ([k, D] in layout out_in) with its scale [k], an int4 one [k, D / 2] with
+  its scales [k, D / 64], or a float kernel [D, k] from the embedding (tied) or from the full
+  [D, V] kernel."""
   head = params.get("lm_head", {})
   if quant:
     out_in = dense_layout.transposes(("lm_head", "kernel"), layout, quant)
     kernel = head["kernel"]
     return {"kernel": (jnp.take(kernel, jnp.asarray(subset.ids), axis=0) if out_in
                        else subset.head_columns(kernel)),
-            "scale": jnp.take(head["scale"], jnp.asarray(subset.ids))}
+            "scale": jnp.take(head["scale"], jnp.asarray(subset.ids), axis=0)}
   if tied:
     return {"kernel": subset.head_rows(params["token_embed"]["embedding"])}
   return {"kernel": subset.head_columns(head["kernel"])}

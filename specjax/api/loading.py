@@ -132,7 +132,8 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.
   quant: "int8" stores the transformer layers' dense kernels as int8 with a scale per output
   channel (models/quant.py; decoder-only families; W8A8 on the CPU, weight-only on
-  accelerators); "" keeps them in `dtype`; "auto": int8 where
+  accelerators); "int4" as int4 with a scale per 64 inputs (layout out_in; W4A8 on the CPU: a
+  draft's choice, where rounding costs acceptance only); "" keeps them in `dtype`; "auto": int8 where
   it measures faster than float weights for this model's shapes at widths `rows` (on the CPU
   backend, for a decoder-only family, layout not out_in: models/layout_choice.py, measured once
   per machine and kept in the cache), else "", logged with the costs; $SPECJAX_QUANT (int8 or
@@ -156,8 +157,8 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   if layers not in layouts.LAYOUTS:
     raise ValueError(f"layers={layers!r}: use one of {', '.join(layouts.LAYOUTS)}")
   if quant not in quant_lib.CHOICES:
-    raise ValueError(f"quant={quant!r}: use int8, auto (int8 where this machine runs it "
-                     f"faster) or '' for {dtype} weights")
+    raise ValueError(f"quant={quant!r}: use int8, int4, auto (int8 where this machine runs "
+                     f"it faster) or '' for {dtype} weights")
   if layout not in DENSE_LAYOUTS:
     raise ValueError(f"layout={layout!r}: use one of {', '.join(DENSE_LAYOUTS)}")
   if rows is not None and not _widths(rows):
@@ -174,7 +175,7 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   quant, dense = weight_format(path, dtype, scan, role, quant, layout, rows)
   size_gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
   log.info("loading the %s from %s (%.2f GB on disk) as %s ...", role, path, size_gb,
-           f"{dtype} with int8 layers ({_int8_product()})" if quant else dtype)
+           f"{dtype} with {quant} layers ({_quant_product(quant)})" if quant else dtype)
   start = time.perf_counter()
   with host_memory.large_blocks_returned():
     model, params = _load_params(path, dtype, scan, role, quant, dense)
@@ -189,7 +190,13 @@ def _widths(rows) -> bool:
   return isinstance(rows, (tuple, list)) and len(rows) > 0 and all(whole(r) for r in rows)
 
 
-def _int8_product() -> str:
+def _quant_product(quant: str) -> str:
+  if quant == "int4":
+    if not quant_lib.rounds_activations():
+      return "weight-only, W4A16: dequantized in each step"
+    kernel = cpu_kernels.status()
+    return (f"W4A8: activations quantized per row, on {kernel.describe()}" if kernel.active else
+            f"W4A8, dequantized in each step: {kernel.describe()}")
   if not quant_lib.rounds_activations():
     return "weight-only, W8A16"
   return (f"W8A8: activations quantized per row; [out, in] kernels on "
@@ -269,6 +276,8 @@ def weight_format(path: Path, dtype: str, scan: bool, role: str, quant: str, lay
   pinned = _pinned_layout()
   if layout != "auto":
     choice = layout_choice.Choice(layout, "asked for")
+  elif quant == "int4":
+    choice = layout_choice.Choice(dense_layout.OUT_IN, "int4 weights are stored [out, in]")
   elif quant and quant != quant_lib.AUTO:
     choice = layout_choice.Choice(dense_layout.IN_OUT, f"{quant} weights asked for, stored "
                                   f"[in, out]; quant=auto measures both layouts")
@@ -328,11 +337,11 @@ def _load_params(path: Path, dtype: str, scan: bool, role: str, quant: str = "",
 
 
 def _quantized(model, quant: str, role: str):
-  """The model with int8 dense layers (quant "int8"), or as it is ("")."""
+  """The model with quantized dense layers (quant "int8" or "int4"), or as it is ("")."""
   if not quant:
     return model
-  if model.is_encoder_decoder:                       # T5 has no int8 layers
-    raise ValueError(f"quant={quant!r}: int8 layers exist for the decoder-only families "
+  if model.is_encoder_decoder:                       # T5 has no quantized layers
+    raise ValueError(f"quant={quant!r}: quantized layers exist for the decoder-only families "
                      f"(GPT-2, Llama, Qwen, Mistral); the {role} is a "
                      f"{type(model).__name__}: load it without quant")
   return dataclasses.replace(model, config=dataclasses.replace(model.config, quant=quant))

@@ -160,15 +160,16 @@ class ModelSpec:
   preset: str = ""               # decoder presets: target / draft (DistillSpec LM1B sizes)
   fields: tuple = ()             # (name, value) architecture fields
   layers: str = "auto"           # auto | scan | unrolled
-  quant: str = ""                # "int8": int8 dense layers (models/quant.py); "auto": per machine
+  quant: str = ""                # "int8" / "int4": quantized dense layers (models/quant.py); "auto"
   layout: str = "auto"           # auto | in_out | out_in
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
       raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
     if self.quant not in quant_lib.CHOICES:
-      raise ValueError(f"quant={self.quant!r}: use int8, auto (int8 where this machine runs it "
-                       f"faster) or '' for {self.dtype} weights")
+      raise ValueError(f"quant={self.quant!r}: use int8, int4 (a draft's: rounding costs "
+                       f"acceptance only), auto (int8 where this machine runs it faster) or '' "
+                       f"for {self.dtype} weights")
     if self.layers not in model_layers.LAYOUTS:
       raise ValueError(f"layers={self.layers!r}: use one of {', '.join(model_layers.LAYOUTS)}")
     if self.layout not in DENSE_LAYOUTS:

@@ -15,7 +15,7 @@ def model(checkpoint: str, dtype: str = "float32", quant: str = "",
           **fields) -> ml_collections.ConfigDict:
   """A model section: a checkpoint (local HF directory, hub id in the local cache, or
   `builtin:PAIR/ROLE`), its dtype, its layer layout (`layers`: auto, scan or unrolled), `quant`
-  ("int8": int8 dense layers, models/quant.py), its dense-kernel layout (`layout`: auto, in_out
+  ("int8" or "int4": quantized dense layers, models/quant.py), its dense-kernel layout (`layout`: auto, in_out
   or out_in; auto measures once per machine on CPU: models/layout_choice.py) and optionally
   `tokenizer` or `init_from`."""
   section = dict(checkpoint=checkpoint, dtype=dtype, layers="auto", quant=quant, layout="auto",

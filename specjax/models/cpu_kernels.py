@@ -1,15 +1,18 @@
-"""specjax's own CPU kernel: the int8 product of int8 layers stored [out, in] (models/quant.py),
-built once per machine with its C++ compiler and called from XLA through the FFI.
+"""specjax's own CPU kernels: the products of int8 layers stored [out, in] and of int4 layers
+(models/quant.py), built once per machine with its C++ compiler and called from XLA through the
+FFI.
 
 Why: a decoding step reads every weight once, so an int8 step should cost a quarter of a float32
 one. XLA:CPU's s8 x s8 -> s32 product reads int8 weights at about 10-13 GB/s on a 2-core AVX-512
 machine, where its float32 product streams 33-43 GB/s, and it has a slow path for a one-row
-product. `cpu_int8.cc` streams each weight row once and multiplies every activation row by it
-(AVX-512 VNNI, AVX2, or plain C++, as the compiler's -march=native finds the CPU), splitting the
-rows over XLA's intra-op threads. Its sums are the same int32 numbers XLA's product gives (exact
-integer arithmetic), so a model's outputs are the same bits with either kernel.
+product. `cpu_kernels.cc` streams each weight row once and multiplies every activation row by
+it (AVX-512 VNNI, AVX2, or plain C++, as the compiler's -march=native finds the CPU), splitting
+the rows over XLA's intra-op threads. Its int8 sums are the same int32 numbers XLA's product
+gives (exact integer arithmetic), so a model's outputs are the same bits with either kernel.
+XLA has no int4 product on the CPU at all: without this kernel int4 layers are dequantized to
+float32 inside every step (quant.int4_matmul), correct and several times slower.
 
-Building: the first use compiles cpu_int8.cc with $CXX (else c++ or g++) at -O3 -march=native
+Building: the first use compiles cpu_kernels.cc with $CXX (else c++ or g++) at -O3 -march=native
 against jax's FFI headers, into CACHE/kernels/ under a key of the source, the compiler's
 version, the CPU's flags and jaxlib's version (CACHE: $SPECJAX_CACHE, else ~/.cache/specjax). A
 couple of seconds, once. $SPECJAX_INT8_KERNEL chooses: "xla" (XLA's product), "specjax" (this
@@ -36,8 +39,8 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_int8.cc")
-TARGET = "specjax_int8_dot"
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+PREFIX = "specjax"               # the FFI targets PREFIX_int8_dot and PREFIX_int4_dot
 ENV = "SPECJAX_INT8_KERNEL"
 KERNELS = ("xla", "specjax")     # the values of $SPECJAX_INT8_KERNEL
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -46,8 +49,9 @@ _BUILD_TIMEOUT_S = 300
 
 @dataclasses.dataclass(frozen=True)
 class Status:
-  """Whether int8 products of [out, in] kernels run on specjax's kernel (`active`), and a line
-  saying which and why (`describe`), with the instruction set it was built for ("" if not)."""
+  """Whether int8 products of [out, in] kernels and int4 products run on specjax's kernels
+  (`active`), and a line saying which and why (`describe`), with the instruction set they were
+  built for ("" if not)."""
   active: bool
   why: str
   isa: str = ""
@@ -63,9 +67,22 @@ def int8_dot(q: jax.Array, kernel: jax.Array) -> jax.Array:
   specjax's kernel (where status().active). vmap runs it once per mapped element."""
   if not status().active:
     raise RuntimeError(f"specjax's int8 CPU kernel is not in use: {status().why}")
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((q.shape[0], kernel.shape[0]), jnp.int32),
+  call = jax.ffi.ffi_call(f"{PREFIX}_int8_dot",
+                          jax.ShapeDtypeStruct((q.shape[0], kernel.shape[0]), jnp.int32),
                           vmap_method="sequential")
   return call(q, kernel)
+
+
+def int4_dot(q: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
+  """q [M, K] int8 times an int4 layer (packed uint8 [N, K / 2], scale float32 [N, K / 64]; the
+  packing is quant.pack_int4's) -> float32 [M, N]: sum over groups g of scale[n, g] x the exact
+  integer sum of the group, on specjax's kernel (where status().active). K a multiple of 64."""
+  if not status().active:
+    raise RuntimeError(f"specjax's CPU kernels are not in use: {status().why}")
+  call = jax.ffi.ffi_call(f"{PREFIX}_int4_dot",
+                          jax.ShapeDtypeStruct((q.shape[0], packed.shape[0]), jnp.float32),
+                          vmap_method="sequential")
+  return call(q, packed, scale)
 
 
 _DECIDING = threading.Lock()
@@ -87,13 +104,14 @@ def _decided() -> Status:
   if pinned == "xla":
     return Status(False, f"${ENV}=xla")
   try:
-    isa = _register(_build(), TARGET)
+    isa = _register(_build(), PREFIX)
   except (OSError, RuntimeError, subprocess.SubprocessError) as err:
     if pinned == "specjax":
       raise RuntimeError(f"${ENV}=specjax, but specjax's int8 CPU kernel could not be built: "
                          f"{err}") from None
-    log.warning("int8 products use XLA's kernel, about 2x slower here: specjax's CPU kernel "
-                "could not be built (%s); install a C++ compiler (g++) or set $CXX", err)
+    log.warning("int8 products use XLA's kernel, about 2x slower here, and int4 layers are "
+                "dequantized in every step: specjax's CPU kernels could not be built (%s); "
+                "install a C++ compiler (g++) or set $CXX", err)
     return Status(False, f"specjax's kernel could not be built: {err}")
   return Status(True, "built", isa)
 
@@ -106,7 +124,7 @@ def _compiler() -> str:
 
 
 def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
-  """The compiled kernel: CACHE/kernels/int8-KEY.so, compiled with `flags` when absent (module
+  """The compiled kernel: CACHE/kernels/quant-KEY.so, compiled with `flags` when absent (module
   docstring); written under a temporary name and renamed, so that concurrent builds never see
   half a file."""
   compiler = _compiler()
@@ -115,13 +133,13 @@ def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
   key = hashlib.sha256("\0".join([SOURCE.read_text(encoding="utf-8"), version, cpu_flags(),
                                   jax.__version__, " ".join(flags)]).encode()).hexdigest()[:16]
   root = Path(os.environ.get("SPECJAX_CACHE") or Path.home() / ".cache" / "specjax")
-  library = root / "kernels" / f"int8-{key}.so"
+  library = root / "kernels" / f"quant-{key}.so"
   if library.exists():
     return library
   library.parent.mkdir(parents=True, exist_ok=True)
   tmp = library.with_name(f".{library.name}.{os.getpid()}.tmp")
   command = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
-  log.info("building specjax's int8 CPU kernel (once per machine): %s", " ".join(command))
+  log.info("building specjax's CPU kernels (once per machine): %s", " ".join(command))
   done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
   if done.returncode != 0:
     tmp.unlink(missing_ok=True)
@@ -131,19 +149,20 @@ def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
   return library
 
 
-_REGISTERED: dict[str, str] = {}     # target -> the instruction set of the library behind it
+_REGISTERED: dict[str, str] = {}     # prefix -> the instruction set of the library behind it
 
 
-def _register(library: Path, target: str) -> str:
-  """Loads the kernel, registers it with XLA:CPU as `target`; returns its instruction set. A
-  target is registered once per process (XLA refuses a second library under one name): later
-  calls return the first one's instruction set."""
-  if target not in _REGISTERED:
+def _register(library: Path, prefix: str) -> str:
+  """Loads the kernels, registers them with XLA:CPU as PREFIX_int8_dot and PREFIX_int4_dot;
+  returns their instruction set. A prefix is registered once per process (XLA refuses a second
+  library under one name): later calls return the first one's instruction set."""
+  if prefix not in _REGISTERED:
     lib = ctypes.cdll.LoadLibrary(str(library))
-    lib.SpecjaxInt8Isa.restype = ctypes.c_char_p
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.SpecjaxInt8Dot), platform="cpu")
-    _REGISTERED[target] = lib.SpecjaxInt8Isa().decode()
-  return _REGISTERED[target]
+    lib.SpecjaxIsa.restype = ctypes.c_char_p
+    for name, handler in (("int8_dot", lib.SpecjaxInt8Dot), ("int4_dot", lib.SpecjaxInt4Dot)):
+      jax.ffi.register_ffi_target(f"{prefix}_{name}", jax.ffi.pycapsule(handler), platform="cpu")
+    _REGISTERED[prefix] = lib.SpecjaxIsa().decode()
+  return _REGISTERED[prefix]
 
 
 def cpu_flags() -> str:

@@ -35,11 +35,14 @@ LAYOUTS = (IN_OUT, OUT_IN)
 
 
 def check(layout: str, quant: str = "") -> None:
-  """Refuse a layout that is not one of LAYOUTS (`quant`: any; int8 kernels take either)."""
-  del quant
+  """Refuse a layout that is not one of LAYOUTS, or one that `quant` cannot take: int8 kernels
+  take either, int4 ones are stored [out, in] only (models/quant.py)."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout '{layout}' is not supported; use one of {LAYOUTS} ([in, out]: "
                      f"Flax's, or [out, in]: PyTorch's).")
+  if quant == "int4" and layout != OUT_IN:
+    raise ValueError(f"int4 layers are stored [out, in]: layout '{layout}' cannot hold them; use "
+                     f"layout '{OUT_IN}' (or 'auto', which picks it for int4)")
 
 
 class OutInDense(nn.Module):
@@ -69,12 +72,12 @@ class OutInDense(nn.Module):
 
 def transposes(path: tuple[str, ...], layout: str, quant: str = "") -> bool:
   """Whether the param at `path` is a Dense kernel that `layout` stores [out, in]: a transformer
-  layer's kernel, and an int8 model's (`quant` "int8") output layer, [V, D], which specjax's int8
-  CPU kernel reads a vocabulary row at a time (models/cpu_kernels.py); a float LM head keeps
-  [D, V] (module docstring)."""
+  layer's kernel, and a quantized model's (`quant` "int8" or "int4") output layer, [V, D], which
+  specjax's CPU kernels read a vocabulary row at a time (models/cpu_kernels.py); a float LM head
+  keeps [D, V] (module docstring)."""
   if layout != OUT_IN or path[-1] != "kernel":
     return False
-  return path[0] != "lm_head" or quant == "int8"
+  return path[0] != "lm_head" or bool(quant)
 
 
 def with_layout(model, layout: str):

@@ -47,8 +47,9 @@ import numpy as np
 from specjax.models import cpu_kernels, dense_layout, hf_tensors
 from specjax.models.hf_tensors import tree_set
 
-QUANTS = ("", "int8")      # "": the model dtype's dense layers
+QUANTS = ("", "int8", "int4")   # "": the model dtype's dense layers
 _QMAX = 127.0
+GROUP = 64                 # int4 weights per scale, along the input axis
 AUTO = "auto"              # a loader's choice per machine: `choose`
 CHOICES = QUANTS + (AUTO,)  # what a loader or a config section accepts
 
@@ -72,25 +73,38 @@ def rounds_activations(backend: str | None = None) -> bool:
   return (backend or jax.default_backend()) == "cpu"
 
 
-class Int8Dense(nn.Module):
-  """nn.Dense over an int8 kernel [in, out] (layout "in_out") or [out, in] ("out_in") with a
-  float32 `scale` [out] (and an optional bias in the activation dtype): x [..., in] -> [..., out]
-  in `dtype`. `precision` applies to the weight-only product (accelerators); the CPU's integer
-  product is exact."""
+class QuantDense(nn.Module):
+  """nn.Dense over quantized weights (and an optional bias in the activation dtype): x [..., in]
+  -> [..., out] in `dtype`. quant "int8": an int8 kernel [in, out] (layout "in_out") or [out, in]
+  ("out_in") with a float32 `scale` [out]; "int4": int4 weights packed two to a byte, `kernel`
+  uint8 [out, in / 2] (layout out_in only) with a float32 `scale` [out, in / GROUP]
+  (pack_int4). `precision` applies to the weight-only product (accelerators); the CPU's integer
+  products are exact."""
   features: int
   use_bias: bool = True
   dtype: Any = jnp.float32
   precision: Any = None
   layout: str = dense_layout.IN_OUT
+  quant: str = "int8"
 
   @nn.compact
   def __call__(self, x):
-    transposed = self.layout == dense_layout.OUT_IN
-    shape = (self.features, x.shape[-1]) if transposed else (x.shape[-1], self.features)
-    kernel = self.param("kernel", nn.initializers.zeros, shape, jnp.int8)
-    scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
-    y = int8_matmul(x, kernel, scale, precision=self.precision,
-                    transposed=transposed).astype(self.dtype)
+    width = x.shape[-1]
+    if self.quant == "int4" and width % GROUP:
+      raise ValueError(f"int4 layers need input widths that are multiples of {GROUP}; "
+                       f"{self.name} takes {width}: use quant int8 or '' for this model")
+    if self.quant == "int4":
+      kernel = self.param("kernel", nn.initializers.zeros, (self.features, width // 2), jnp.uint8)
+      scale = self.param("scale", nn.initializers.ones, (self.features, width // GROUP),
+                         jnp.float32)
+      y = int4_matmul(x, kernel, scale, precision=self.precision)
+    else:
+      transposed = self.layout == dense_layout.OUT_IN
+      shape = (self.features, width) if transposed else (width, self.features)
+      kernel = self.param("kernel", nn.initializers.zeros, shape, jnp.int8)
+      scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
+      y = int8_matmul(x, kernel, scale, precision=self.precision, transposed=transposed)
+    y = y.astype(self.dtype)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.dtype(self.dtype))
     return y
@@ -98,25 +112,25 @@ class Int8Dense(nn.Module):
 
 def dense(features: int, *, quant: str, dtype, precision, name: str, use_bias: bool = True,
           kernel_init=nn.initializers.lecun_normal(), layout: str = "in_out") -> nn.Module:
-  """The dense layer of a model whose config says `quant` ("": float weights in `dtype`; "int8"),
-  its kernel stored as `layout` says: "in_out", nn.Dense's [in, out], or "out_in", [out, in], the
-  same product (models/dense_layout.py)."""
-  if quant == "int8":
-    return Int8Dense(features, use_bias=use_bias, dtype=dtype, precision=precision,
-                     layout=layout, name=name)
+  """The dense layer of a model whose config says `quant` ("": float weights in `dtype`; "int8";
+  "int4"), its kernel stored as `layout` says: "in_out", nn.Dense's [in, out], or "out_in",
+  [out, in], the same product (models/dense_layout.py)."""
+  if quant:
+    return QuantDense(features, use_bias=use_bias, dtype=dtype, precision=precision,
+                      layout=layout, quant=quant, name=name)
   cls = dense_layout.OutInDense if layout == dense_layout.OUT_IN else nn.Dense
   return cls(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, precision=precision,
              kernel_init=kernel_init, name=name)
 
 
-def int8_logits(hidden: jax.Array, vocab_size: int, subset=None, precision=None,
-                layout: str = dense_layout.IN_OUT) -> jax.Array:
-  """Inside a model's compact __call__: the int8 output layer `lm_head` (kernel [D, V], or
-  [D, K] over a models/sub_vocab.SubVocab `subset`; [V, D] / [K, D] with layout "out_in") ->
-  float32 logits [..., V]."""
+def quantized_logits(hidden: jax.Array, vocab_size: int, quant: str, subset=None, precision=None,
+                     layout: str = dense_layout.IN_OUT) -> jax.Array:
+  """Inside a model's compact __call__: the quantized output layer `lm_head` (int8: kernel
+  [D, V], or [D, K] over a models/sub_vocab.SubVocab `subset`, [V, D] / [K, D] with layout
+  "out_in"; int4: [V, D / 2] / [K, D / 2]) -> float32 logits [..., V]."""
   rows = vocab_size if subset is None else subset.size
-  logits = Int8Dense(rows, use_bias=False, precision=precision, layout=layout,
-                     name="lm_head")(hidden)
+  logits = QuantDense(rows, use_bias=False, precision=precision, layout=layout, quant=quant,
+                      name="lm_head")(hidden)
   return logits if subset is None else subset.expand(logits)
 
 
@@ -135,14 +149,42 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=Non
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (contract,)), ((), ())),
                             precision=precision, preferred_element_type=jnp.float32)
     return y * scale
-  lead, width = x.shape[:-1], x.shape[-1]
-  rows = x.reshape(-1, width).astype(jnp.float32)                       # [M, K]
-  amax = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)                 # [M, 1]
-  row_scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
-  q = jnp.round(rows / row_scale).astype(jnp.int8)
+  q, row_scale = _quantize_rows(x)                                      # [M, K], [M, 1]
   acc = _integer_product(q, kernel, transposed)                         # [M, N] int32
   y = acc.astype(jnp.float32) * row_scale * scale
-  return y.reshape(*lead, scale.shape[-1])
+  return y.reshape(*x.shape[:-1], scale.shape[-1])
+
+
+def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, precision=None,
+                w4a8: bool | None = None) -> jax.Array:
+  """x [..., K] (float) times an int4 layer (packed uint8 [N, K / 2], scale [N, K / GROUP]:
+  pack_int4's) -> float32 [..., N]. W4A8 (w4a8 None: rounds_activations(), the CPU): each row
+  of x quantized to int8 with its own absmax scale, each group's product summed exactly in int32
+  and scaled, on specjax's CPU kernel (models/cpu_kernels.py). Elsewhere, and where that kernel
+  is not built, the weights are dequantized inside the step and multiplied in float32 at
+  `precision` (x's dtype on accelerators), the same numbers up to float32 rounding."""
+  if packed.dtype != jnp.uint8 or scale.shape[-1] * GROUP != 2 * packed.shape[-1]:
+    raise TypeError(f"an int4 layer takes packed uint8 [N, K / 2] and scales [N, K / {GROUP}] "
+                    f"(quant.quantize_kernel(..., quant='int4')); got {packed.dtype} "
+                    f"{packed.shape} and {scale.shape}")
+  w4a8 = rounds_activations() if w4a8 is None else w4a8
+  if w4a8:
+    q, row_scale = _quantize_rows(x)                                    # [M, K], [M, 1]
+    if jax.default_backend() == "cpu" and cpu_kernels.status().active:
+      y = cpu_kernels.int4_dot(q, packed, scale) * row_scale            # [M, N]
+      return y.reshape(*x.shape[:-1], packed.shape[0])
+    x = (q.astype(jnp.float32) * row_scale).reshape(x.shape)
+  weights = dequantize_int4(packed, scale, jnp.float32 if w4a8 else x.dtype)    # [N, K]
+  return jax.lax.dot_general(x, weights, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [..., K] -> (int8 [M, K], float32 scale [M, 1]): each row by its absmax, M = x's rows."""
+  rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)                 # [M, K]
+  amax = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)                 # [M, 1]
+  row_scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
+  return jnp.round(rows / row_scale).astype(jnp.int8), row_scale
 
 
 def _integer_product(q: jax.Array, kernel: jax.Array, transposed: bool) -> jax.Array:
@@ -162,16 +204,64 @@ def _integer_product(q: jax.Array, kernel: jax.Array, transposed: bool) -> jax.A
   return acc[:m]
 
 
-@functools.partial(jax.jit, static_argnames="transposed")
-def quantize_kernel(kernel: jax.Array, transposed: bool = False) -> tuple[jax.Array, jax.Array]:
-  """kernel [..., in, out] float ([..., out, in] when `transposed`) -> (int8 of the same shape,
-  float32 scale [..., out]): symmetric, per output channel (per layer too when stacked)."""
+@functools.partial(jax.jit, static_argnames=("transposed", "quant"))
+def quantize_kernel(kernel: jax.Array, transposed: bool = False,
+                    quant: str = "int8") -> tuple[jax.Array, jax.Array]:
+  """kernel [..., in, out] float ([..., out, in] when `transposed`) -> (quantized kernel, float32
+  scale). int8: the kernel's shape in int8 and scale [..., out], symmetric, per output channel
+  (per layer too when stacked). int4 (`transposed` only): pack_int4's uint8 [..., out, in / 2]
+  and scale [..., out, in / GROUP]."""
+  if quant == "int4":
+    if not transposed:
+      raise ValueError("int4 layers are stored [out, in] (layout out_in)")
+    return pack_int4(kernel)
   w = kernel.astype(jnp.float32)
   axis = -1 if transposed else -2                                  # the input axis
   amax = jnp.max(jnp.abs(w), axis=axis)
   scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
   q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, axis)), -_QMAX, _QMAX).astype(jnp.int8)
   return q, scale
+
+
+def pack_int4(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """kernel [..., out, in] float (in a multiple of GROUP) -> (packed uint8 [..., out, in / 2],
+  float32 scale [..., out, in / GROUP]). Per group of GROUP inputs, llama.cpp's Q4_0 rounding:
+  the entry of largest magnitude m gives the scale m / -8, so that it becomes -8 exactly, and
+  the others round to the nearest of -8 .. 7. Group g's 64 values lie in 32 bytes: byte j holds
+  w[64 g + j] + 8 in its low nibble and w[64 g + 32 + j] + 8 in its high one (the layout
+  cpu_kernels.cc reads)."""
+  *lead, out, width = kernel.shape
+  if width % GROUP:
+    raise ValueError(f"int4 weights need input widths that are multiples of {GROUP}; a kernel "
+                     f"[{out}, {width}] has {width}: load this model with quant int8 or ''")
+  w = kernel.astype(jnp.float32).reshape(*lead, out, width // GROUP, GROUP)
+  at = jnp.argmax(jnp.abs(w), axis=-1, keepdims=True)
+  peak = jnp.take_along_axis(w, at, axis=-1)                          # [..., out, G, 1]
+  scale = jnp.where(peak != 0, peak / -8.0, 1.0)
+  q = jnp.clip(jnp.round(w / scale), -8, 7).astype(jnp.int32) + 8    # [..., out, G, 64] 0..15
+  half = GROUP // 2
+  packed = (q[..., :half] | (q[..., half:] << 4)).astype(jnp.uint8)   # [..., out, G, 32]
+  return packed.reshape(*lead, out, width // 2), scale[..., 0]
+
+
+def dequantize_int4(packed: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """pack_int4's (packed [..., out, in / 2], scale [..., out, in / GROUP]) -> the weights it
+  stands for, [..., out, in] in `dtype`."""
+  *lead, out, half_width = packed.shape
+  p = packed.reshape(*lead, out, -1, GROUP // 2)                     # [..., out, G, 32]
+  q = jnp.concatenate([p & 15, p >> 4], axis=-1).astype(jnp.float32) - 8.0
+  return (q * scale[..., None]).reshape(*lead, out, 2 * half_width).astype(dtype)
+
+
+def float_shapes(shapes, quant: str):
+  """A model's param shapes (jax.eval_shape of its init) -> the shapes of the float tensors its
+  leaves are made from, as a converter checks a checkpoint's: an int4 kernel [..., out, in / 2]
+  comes from [..., out, in]; every other leaf (int8 kernels included) has its float shape."""
+  def one(path, leaf):
+    if quant == "int4" and getattr(path[-1], "key", None) == "kernel":
+      return jax.ShapeDtypeStruct((*leaf.shape[:-1], 2 * leaf.shape[-1]), jnp.float32)
+    return leaf
+  return jax.tree_util.tree_map_with_path(one, shapes)
 
 
 def put(params: dict, path: tuple[str, ...], value: jax.Array, quant: str,
@@ -181,8 +271,8 @@ def put(params: dict, path: tuple[str, ...], value: jax.Array, quant: str,
   model's `layout`) is stored as its int8 kernel with its float32 `scale` beside it, so the
   float model is never held whole (the host holds one float leaf extra at a time); other leaves,
   and every leaf with quant "", as given. Finish with `with_head`."""
-  if quant == "int8" and path[-1] == "kernel":
-    kernel, scale = quantize_kernel(value, transposed=dense_layout.transposes(path, layout, quant))
+  if quant and path[-1] == "kernel":
+    kernel, scale = quantize_kernel(value, dense_layout.transposes(path, layout, quant), quant)
     tree_set(params, path, kernel)
     tree_set(params, (*path[:-1], "scale"), scale)
   else:
@@ -197,15 +287,15 @@ def put_layers(params: dict, path: tuple[str, ...], read_layer, num_layers: int,
   the largest leaf of a deep model) is never held; other leaves are stacked in `dtype`
   (hf_tensors.stack_layers). The bits are those of `put` on the float stack; `layout` as
   there."""
-  if quant != "int8" or path[-1] != "kernel":
+  if not quant or path[-1] != "kernel":
     tree_set(params, path, hf_tensors.stack_layers(read_layer, num_layers, dtype))
     return
   kernels = scales = None
   for i in range(num_layers):
     kernel, scale = quantize_kernel(hf_tensors.to_device(read_layer(i), dtype),
-                                    transposed=dense_layout.transposes(path, layout))
+                                    dense_layout.transposes(path, layout, quant), quant)
     if kernels is None:
-      kernels = np.empty((num_layers, *kernel.shape), np.int8)                # [L, in, out]
+      kernels = np.empty((num_layers, *kernel.shape), kernel.dtype)           # [L, in, out]
       scales = np.empty((num_layers, *scale.shape), np.float32)              # [L, out]
     kernels[i], scales[i] = kernel, scale
   tree_set(params, path, jax.device_put(kernels))
@@ -217,29 +307,30 @@ def with_head(params: dict, quant: str, tied: bool, layout: str = dense_layout.I
   (kernel [D, V] int8, scale [V]; [V, D] in layout "out_in") quantized from the embedding table,
   which stays for the input lookup. Unchanged for quant "" or an untied head (`put` quantized
   it)."""
-  if quant == "int8" and tied:
+  if quant and tied:
     table = params["token_embed"]["embedding"]                                   # [V, D]
     if dense_layout.transposes(("lm_head", "kernel"), layout, quant):
-      kernel, scale = quantize_kernel(table, transposed=True)                    # [V, D]
+      kernel, scale = quantize_kernel(table, True, quant)               # [V, D] (int4 [V, D/2])
     else:
       kernel, scale = _quantize_transposed(table)                                # [D, V]
     params["lm_head"] = {"kernel": kernel, "scale": scale}
   return params
 
 
-def quantize_params(params: dict, tied: bool, layout: str = dense_layout.IN_OUT) -> dict:
-  """The params of a float decoder-only model (its kernels in `layout`) -> those of its int8 twin
-  (config quant="int8", the same layout), in place, as a loader with `put` and `with_head` builds
-  them (each float kernel dropped as soon as it is converted)."""
+def quantize_params(params: dict, tied: bool, layout: str = dense_layout.IN_OUT,
+                    quant: str = "int8") -> dict:
+  """The params of a float decoder-only model (its kernels in `layout`) -> those of its `quant`
+  twin (config quant="int8" or "int4", the same layout), in place, as a loader with `put` and
+  `with_head` builds them (each float kernel dropped as soon as it is converted)."""
   for path in _kernel_paths(params):
     parent = params
     for key in path[:-1]:
       parent = parent[key]
     kernel = parent.pop("kernel")
-    if path[0] == "lm_head" and dense_layout.transposes(path, layout, "int8"):
+    if path[0] == "lm_head" and dense_layout.transposes(path, layout, quant):
       kernel = kernel.T                              # a float head is [D, V] in either layout
-    put(params, path, kernel, "int8", layout)
-  return with_head(params, "int8", tied, layout)
+    put(params, path, kernel, quant, layout)
+  return with_head(params, quant, tied, layout)
 
 
 def _kernel_paths(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

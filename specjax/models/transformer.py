@@ -132,7 +132,7 @@ class Arch:
     float models keep the batched, two-segment attention (their dense products vary in the
     last bits with the width anyway, far below a near-tie's margin in practice), and so do
     int8 models off the CPU, which multiply by their weights alone (quant.rounds_activations)."""
-    return self.quant == "int8" and quant.rounds_activations()
+    return self.quant in ("int8", "int4") and quant.rounds_activations()
 
 
 def _init(std: float):
@@ -380,9 +380,11 @@ class Transformer(nn.Module):
 
 
 def logits(a: Arch, hidden: jax.Array, embed: jax.Array) -> jax.Array:
-  """hidden [..., D] -> f32 logits [..., V]: int8, a sub-vocabulary head, tied or untied."""
-  if a.quant == "int8":
-    return quant.int8_logits(hidden, a.vocab_size, a.head_subset, a.precision, a.layout)
+  """hidden [..., D] -> f32 logits [..., V]: int8 or int4, a sub-vocabulary head, tied or
+  untied."""
+  if a.quant:
+    return quant.quantized_logits(hidden, a.vocab_size, a.quant, a.head_subset, a.precision,
+                                  a.layout)
   if a.head_subset is not None:
     head = Table("kernel", (a.d_model, a.head_subset.size), a.init_std, a.dtype,
                   name="lm_head")()                                            # [D, K]

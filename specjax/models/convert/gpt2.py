@@ -3,6 +3,7 @@ names of every param (query, key and value are the thirds of c_attn's last axis)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,7 +63,8 @@ _C_ATTN = {"kernel": "attn.c_attn.weight", "bias": "attn.c_attn.bias"}
 def _hf_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
   """HF GPT-2 tensor name (without `transformer.`) -> the shape the config implies."""
   cfg = model.config
-  in_out = dense_layout.with_layout(layers.with_scan(model), dense_layout.IN_OUT)   # HF's layout
+  floats = dataclasses.replace(model, config=dataclasses.replace(cfg, quant=""))  # int4's shapes
+  in_out = dense_layout.with_layout(layers.with_scan(floats), dense_layout.IN_OUT)  # HF's layout
   ours = jax.eval_shape(in_out.init_params, jax.random.PRNGKey(0))
   stacked = ours[layers.STACKED]
   shapes = {name: tree_get(ours, path).shape for path, name in _HF_TOP.items()}

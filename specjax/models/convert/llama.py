@@ -156,7 +156,8 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
   scan_layers=False); an int8 model's kernels are quantized as they are read (quant.put). Extra
   tensors are ignored."""
   cfg = model.config
-  shapes = jax.eval_shape(layers.with_scan(model).init_params, jax.random.PRNGKey(0))
+  shapes = quant.float_shapes(jax.eval_shape(layers.with_scan(model).init_params,
+                                             jax.random.PRNGKey(0)), cfg.quant)
   dtype = model.dtype
   names = _hf_names(model)
   expected = [n.format(i=i) for n, path in names.items()
@@ -201,8 +202,8 @@ def _params_unrolled(tensors: Mapping[str, np.ndarray], names: dict, shapes, cfg
         raise ValueError(f"checkpoint tensor '{hf_name}' has shape {raw.shape} but the config "
                          f"implies {expect}.")
       if cfg.quant and path[0] == "lm_head":
-        _put_int8_output_layer(params, raw, dtype, lambda bad: checks.add(hf_name, bad),
-                               not transpose)
+        _put_quantized_output_layer(params, raw, dtype, lambda bad: checks.add(hf_name, bad),
+                                    not transpose, cfg.quant)
         continue
       value, bad = hf_tensors.to_param(raw, transpose, jnp.dtype(dtype))
       checks.add(hf_name, bad)
@@ -211,23 +212,24 @@ def _params_unrolled(tensors: Mapping[str, np.ndarray], names: dict, shapes, cfg
   return quant.with_head(params, cfg.quant, cfg.tie_word_embeddings, cfg.layout)
 
 
-_OUTPUT_ROWS = 16384    # vocabulary rows of an untied output layer read per step (int8 loads)
+_OUTPUT_ROWS = 16384    # vocabulary rows of an untied output layer read per step (quantized loads)
 
 
-def _put_int8_output_layer(params: dict, raw: np.ndarray, dtype, check, out_in: bool) -> None:
-  """An untied output layer stored [V, D] -> params["lm_head"] (kernel [D, V] int8, [V, D] when
-  `out_in`, scale [V]), read, transposed if so and quantized _OUTPUT_ROWS rows at a time, each
-  step finished before the next starts: the same bits as quantizing the whole kernel (its scales
-  are per vocabulary entry), without its float32 copy and temporaries (Qwen's 151,936 x 1536
+def _put_quantized_output_layer(params: dict, raw: np.ndarray, dtype, check, out_in: bool,
+                                quant_name: str) -> None:
+  """An untied output layer stored [V, D] -> params["lm_head"] (int8: kernel [D, V], [V, D] when
+  `out_in`, scale [V]; int4: kernel [V, D / 2], scale [V, D / 64]), read, transposed if so and
+  quantized _OUTPUT_ROWS rows at a time, each step finished before the next starts: the same
+  bits as quantizing the whole kernel (its scales are per vocabulary entry), without its float32 copy and temporaries (Qwen's 151,936 x 1536
   head: 0.9 GB each). check(count) takes each step's NaN / inf count."""
   kernels, scales = [], []
   for start in range(0, raw.shape[0], _OUTPUT_ROWS):
     value, bad = hf_tensors.to_param(raw[start:start + _OUTPUT_ROWS], not out_in,
                                      jnp.dtype(dtype))
     check(bad)
-    kernel, scale = jax.block_until_ready(quant.quantize_kernel(value, transposed=out_in))
-    kernels.append(kernel)                            # [D, rows] or [rows, D]
-    scales.append(scale)                              # [rows]
+    kernel, scale = jax.block_until_ready(quant.quantize_kernel(value, out_in, quant_name))
+    kernels.append(kernel)                            # [D, rows], [rows, D] or [rows, D / 2]
+    scales.append(scale)                              # [rows] or [rows, D / 64]
   params["lm_head"] = {"kernel": jnp.concatenate(kernels, axis=0 if out_in else 1),
                        "scale": jnp.concatenate(scales)}
 

@@ -1,0 +1,495 @@
+// specjax's quantized products for XLA:CPU, called through XLA's FFI (models/cpu_kernels.py
+// builds them with the machine's C++ compiler for the machine's own instruction set).
+//
+//   int8:  out[m, n] = sum_k a[m, k] w[n, k]                     a int8 [M, K], w int8 [N, K],
+//                                                                 out int32 [M, N]
+//   int4:  out[m, n] = sum_g s[n, g] sum_{k in group g} a[m, k] w[n, k]
+//          a int8 [M, K]; w int4 in [-8, 7], packed uint8 [N, K / 2]; s float32 [N, K / 64];
+//          out float32 [M, N]. Group g holds k = 64 g .. 64 g + 63 in 32 bytes: byte j has
+//          w[64 g + j] + 8 in its low nibble and w[64 g + 32 + j] + 8 in its high one.
+//
+// A decoding step multiplies a few activation rows by a weight matrix that is read once from
+// memory, so each weight row is streamed once and multiplied with every activation row while it
+// is in registers. XLA's own s8 x s8 -> s32 product reads the weights at about a third of the
+// memory bandwidth for these shapes, and a one-row product falls to a slow path. The int8 sums
+// are exact int32 arithmetic (the same integers XLA's product gives, in any order); an int4
+// group's sum is exact too, and the groups are added in float32 in one order that does not
+// depend on M, so a row's result is the same bits in a product of any width.
+//
+// Rows of w are split into chunks that the calling thread and tasks on XLA's intra-op thread
+// pool take from one counter: the caller waits only for chunks a running thread has taken, so a
+// task queued behind busy threads never blocks it (and finds nothing left when it runs).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SPECJAX_ISA "avx512-vnni"
+#include <immintrin.h>
+#elif defined(__AVX2__)
+#define SPECJAX_ISA "avx2"
+#include <immintrin.h>
+#else
+#define SPECJAX_ISA "generic"
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRows = 8;  // activation rows multiplied per pass over a weight row
+constexpr int64_t kL1Bytes = 16 << 10;  // activations up to this size are read from L1
+
+// The activations as the inner loop reads them: as given, with 128 x each row's sum of the
+// first K - K % 64 entries (avx512-vnni), or widened to int16 (avx2).
+struct Activations {
+  const int8_t* raw;            // [M, K]
+  std::vector<int32_t> shift;   // [M] (avx512-vnni)
+  std::vector<int16_t> s16;     // [M, K] (avx2)
+};
+
+int32_t Dot(const int8_t* a, const int8_t* w, int64_t from, int64_t to) {
+  int32_t s = 0;
+  for (int64_t k = from; k < to; ++k) s += int32_t(a[k]) * int32_t(w[k]);
+  return s;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// [a, b, c, d]: the sums of four vectors' 16 lanes, with 13 instructions instead of 4 x 9.
+__m128i Sum4(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  const __m512i abcd =
+      _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  const __m256i half =
+      _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+// VNNI multiplies unsigned by signed bytes: the weights are made unsigned (w ^ 0x80 = w + 128)
+// and the activations stay signed, so sum (w + 128) a = sum w a + 128 sum a, and the shift is
+// removed with the activation row's sum, computed once per call. G weight rows are summed
+// before their sums are reduced together: one after the other (one linear stream, as the rows
+// lie in memory) when the activations fit in the L1 cache, else side by side (`interleave`), so
+// that each activation vector loaded from L2 serves G rows.
+template <int MB, int G, bool interleave>
+void WeightRowGroups(const Activations& act, int64_t m0, const int8_t* w, int32_t* out,
+                     int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const int64_t k64 = K & ~int64_t(63);
+  const int8_t* a = act.raw + m0 * K;
+  for (int64_t n = n0; n < n1; n += G) {
+    __m512i acc[G][MB];
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_setzero_si512();
+    if (interleave) {
+      for (int64_t k = 0; k < k64; k += 64) {
+        __m512i wu[G];
+        for (int g = 0; g < G; ++g)
+          wu[g] = _mm512_xor_si512(_mm512_loadu_si512(w + (n + g) * K + k), flip);
+        for (int m = 0; m < MB; ++m) {
+          const __m512i av = _mm512_loadu_si512(a + m * K + k);
+          for (int g = 0; g < G; ++g) acc[g][m] = _mm512_dpbusd_epi32(acc[g][m], wu[g], av);
+        }
+      }
+    } else {
+      for (int g = 0; g < G; ++g) {
+        const int8_t* wr = w + (n + g) * K;
+        for (int64_t k = 0; k < k64; k += 64) {
+          const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(wr + k), flip);
+          for (int m = 0; m < MB; ++m)
+            acc[g][m] = _mm512_dpbusd_epi32(acc[g][m], wu, _mm512_loadu_si512(a + m * K + k));
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      auto row = [&](int g) { return g < G ? acc[g % G][m] : _mm512_setzero_si512(); };
+      alignas(16) int32_t sums[4];
+      _mm_store_si128(reinterpret_cast<__m128i*>(sums), Sum4(row(0), row(1), row(2), row(3)));
+      for (int g = 0; g < G; ++g)
+        out[(m0 + m) * N + n + g] = sums[g] - act.shift[m0 + m] +
+                                    Dot(a + m * K, w + (n + g) * K, k64, K);
+    }
+  }
+}
+
+template <int MB>
+void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
+                int64_t K, int64_t n0, int64_t n1) {
+  constexpr int G = MB <= 4 ? 4 : MB == 5 ? 3 : 2;   // G x MB accumulators stay in registers
+  const int64_t whole = n0 + (n1 - n0) / G * G;
+  if (MB * K > kL1Bytes)
+    WeightRowGroups<MB, G, true>(act, m0, w, out, N, K, n0, whole);
+  else
+    WeightRowGroups<MB, G, false>(act, m0, w, out, N, K, n0, whole);
+  WeightRowGroups<MB, 1, false>(act, m0, w, out, N, K, whole, n1);
+}
+#elif defined(__AVX2__)
+int32_t Sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// G weight rows at a time, side by side, so that each activation vector (int16, twice the
+// int8 bytes) loaded from L2 serves G rows; G = 1 reads one row after the other.
+template <int MB, int G>
+void WeightRowGroups(const Activations& act, int64_t m0, const int8_t* w, int32_t* out,
+                     int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t k16 = K & ~int64_t(15);
+  const int16_t* a16 = act.s16.data() + m0 * K;
+  for (int64_t n = n0; n < n1; n += G) {
+    __m256i acc[G][MB];
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MB; ++m) acc[g][m] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < k16; k += 16) {
+      __m256i wv[G];
+      for (int g = 0; g < G; ++g)
+        wv[g] = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + g) * K + k)));
+      for (int m = 0; m < MB; ++m) {
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a16 + m * K + k));
+        for (int g = 0; g < G; ++g)
+          acc[g][m] = _mm256_add_epi32(acc[g][m], _mm256_madd_epi16(av, wv[g]));
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MB; ++m)
+        out[(m0 + m) * N + n + g] =
+            Sum8(acc[g][m]) + Dot(act.raw + (m0 + m) * K, w + (n + g) * K, k16, K);
+  }
+}
+
+template <int MB>
+void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
+                int64_t K, int64_t n0, int64_t n1) {
+  constexpr int G = MB <= 2 ? 4 : MB <= 5 ? 2 : 1;   // G x MB accumulators in 16 registers
+  if (G == 1 || 2 * MB * K <= kL1Bytes) {
+    WeightRowGroups<MB, 1>(act, m0, w, out, N, K, n0, n1);
+    return;
+  }
+  const int64_t whole = n0 + (n1 - n0) / G * G;
+  WeightRowGroups<MB, G>(act, m0, w, out, N, K, n0, whole);
+  WeightRowGroups<MB, 1>(act, m0, w, out, N, K, whole, n1);
+}
+#else
+template <int MB>
+void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
+                int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int m = 0; m < MB; ++m)
+      out[(m0 + m) * N + n] = Dot(act.raw + (m0 + m) * K, w + n * K, 0, K);
+}
+#endif
+
+// out[:, n0:n1] for every activation row, kMaxRows rows per pass over the weights.
+void Columns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, int64_t N,
+             int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, M - m0)) {
+#define SPECJAX_ROWS(R) \
+  case R:               \
+    WeightRows<R>(act, m0, w, out, N, K, n0, n1); \
+    break;
+      SPECJAX_ROWS(1) SPECJAX_ROWS(2) SPECJAX_ROWS(3) SPECJAX_ROWS(4)
+      SPECJAX_ROWS(5) SPECJAX_ROWS(6) SPECJAX_ROWS(7) SPECJAX_ROWS(8)
+#undef SPECJAX_ROWS
+    }
+  }
+}
+
+// ---- int4 weights (W4A8) -------------------------------------------------------------------
+
+constexpr int64_t kGroup = 64;  // int4 values per scale, along K
+
+// The activations of an int4 product as its inner loop reads them, K padded to whole 128-value
+// blocks with zeros. The weights are unsigned (w + 8) and the activations signed, so a lane's
+// sum carries 8 x the sum of the activations it multiplied: `shift` holds -8 x that sum per
+// lane, the accumulator's starting value. avx512-vnni reads two groups per 512-bit vector: the
+// low nibbles of 64 bytes are the first halves of groups 2b and 2b + 1, the high nibbles their
+// second halves, so `lo` / `hi` hold the matching activations side by side: lo = [a[128 b ..
+// +32), a[128 b + 64 .. +32)], hi = [a[128 b + 32 .. +32), a[128 b + 96 .. +32)]; lane l < 8
+// of block b covers a[128 b + 4 l .. +4) and a[128 b + 32 + 4 l .. +4), lane 8 + l the same
+// of group 2b + 1. avx2 reads one group per 256-bit vector with the same lanes, from `raw`.
+struct Int4Activations {
+  const int8_t* raw;             // [M, K]
+  int64_t blocks;                // ceil(K / 128)
+  std::vector<int8_t> lo, hi;    // [M, blocks * 64]
+  std::vector<int32_t> shift;    // [M, blocks * 16]
+};
+
+Int4Activations Int4Prepare(const int8_t* a, int64_t M, int64_t K) {
+  Int4Activations act{a, (K + 127) / 128, {}, {}, {}};
+  const int64_t B = act.blocks;
+  act.shift.assign(M * B * 16, 0);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  act.lo.assign(M * B * 64, 0), act.hi.assign(M * B * 64, 0);
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += kGroup) {      // group g = k / 64: block g / 2, half g % 2
+      const int8_t* x = a + m * K + k;
+      const int64_t at = (m * B + k / 128) * 64 + (k / kGroup % 2) * 32;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      std::copy(x, x + 32, act.lo.data() + at);
+      std::copy(x + 32, x + 64, act.hi.data() + at);
+#endif
+      int32_t* shift = act.shift.data() + at / 4;
+      for (int l = 0; l < 8; ++l)
+        shift[l] = -8 * (x[4 * l] + x[4 * l + 1] + x[4 * l + 2] + x[4 * l + 3] +
+                         x[32 + 4 * l] + x[33 + 4 * l] + x[34 + 4 * l] + x[35 + 4 * l]);
+    }
+  return act;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// [a, b, c, d]: the sums of four float vectors' 16 lanes, each in one order whatever the others
+// hold (so a row's sum has the same bits whether it is reduced with 0, 1 or 3 other rows).
+__m128 Sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  const __m256 half = _mm256_add_ps(
+      _mm512_castps512_ps256(abcd),
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// MB activation rows times G weight rows at a time, side by side, over rows n0 .. n1.
+template <int MB, int G>
+void Int4RowGroups(const Int4Activations& act, int64_t m0, const uint8_t* w, const float* s,
+                   float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  // lanes 0-7 take the first scale of a pair, lanes 8-15 the second
+  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const int64_t whole = K / 128, groups = K / kGroup, B = act.blocks;
+  for (int64_t n = n0; n < n1; n += G) {
+    __m512 acc[G][MB];
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      __m512i lo[G], hi[G];
+      __m512 scale[G];
+      for (int g = 0; g < G; ++g) {
+        const uint8_t* wr = w + (n + g) * (K / 2) + b * 64;
+        const float* sr = s + (n + g) * groups + 2 * b;
+        __m512i v;
+        if (b < whole) {
+          v = _mm512_loadu_si512(wr);
+          scale[g] = _mm512_permutexvar_ps(
+              pair, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(
+                        reinterpret_cast<const double*>(sr)))));
+        } else {   // a last group alone: the second half of the vector is zero
+          v = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr)));
+          scale[g] = _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(sr[0]));
+        }
+        lo[g] = _mm512_and_si512(v, low);
+        hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int64_t at = (m0 + m) * B + b;
+        const __m512i shift = _mm512_loadu_si512(act.shift.data() + at * 16);
+        const __m512i alo = _mm512_loadu_si512(act.lo.data() + at * 64);
+        const __m512i ahi = _mm512_loadu_si512(act.hi.data() + at * 64);
+        for (int g = 0; g < G; ++g) {
+          const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(shift, lo[g], alo), hi[g], ahi);
+          acc[g][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale[g], acc[g][m]);
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      auto row = [&](int g) { return g < G ? acc[g % G][m] : _mm512_setzero_ps(); };
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, Sum4(row(0), row(1), row(2), row(3)));
+      for (int g = 0; g < G; ++g) out[(m0 + m) * N + n + g] = sums[g];
+    }
+  }
+}
+
+template <int MB>
+void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const float* s,
+              float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int G = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;   // G x MB accumulators stay in registers
+  const int64_t whole = n0 + (n1 - n0) / G * G;
+  Int4RowGroups<MB, G>(act, m0, w, s, out, N, K, n0, whole);
+  Int4RowGroups<MB, 1>(act, m0, w, s, out, N, K, whole, n1);
+}
+#elif defined(__AVX2__)
+template <int MB>
+void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const float* s,
+              float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const int64_t G = K / kGroup, B = act.blocks;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * (K / 2);
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + g * 32));
+      const __m256i lo = _mm256_and_si256(v, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      const __m256 scale = _mm256_set1_ps(s[n * G + g]);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* a = act.raw + (m0 + m) * K + g * kGroup;
+        // u8 x s8 pairs: at most 2 x 15 x 128 per int16 lane, twice that summed: no saturation
+        const __m256i pairs = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))));
+        const __m256i shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            act.shift.data() + ((m0 + m) * B + g / 2) * 16 + (g % 2) * 8));
+        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), shift);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      out[(m0 + m) * N + n] = _mm_cvtss_f32(h);
+    }
+  }
+}
+#else
+template <int MB>
+void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const float* s,
+              float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* a = act.raw + (m0 + m) * K;
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < kGroup; ++j) {
+          const uint8_t byte = w[n * (K / 2) + g * 32 + j % 32];
+          sum += a[g * kGroup + j] * ((j < 32 ? byte & 15 : byte >> 4) - 8);
+        }
+        total += s[n * G + g] * float(sum);
+      }
+      out[(m0 + m) * N + n] = total;
+    }
+}
+#endif
+
+void Int4Columns(const Int4Activations& act, int64_t M, const uint8_t* w, const float* s,
+                 float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, M - m0)) {
+#define SPECJAX_ROWS(R) \
+  case R:               \
+    Int4Rows<R>(act, m0, w, s, out, N, K, n0, n1); \
+    break;
+      SPECJAX_ROWS(1) SPECJAX_ROWS(2) SPECJAX_ROWS(3) SPECJAX_ROWS(4)
+      SPECJAX_ROWS(5) SPECJAX_ROWS(6) SPECJAX_ROWS(7) SPECJAX_ROWS(8)
+#undef SPECJAX_ROWS
+    }
+  }
+}
+
+// ---- the calls ----------------------------------------------------------------------------------
+
+// One call's work: the columns n0 .. n1 of `columns` for chunks of weight rows, shared with the
+// pool's tasks (which may outlive the call when they run late, hence shared ownership).
+struct Work {
+  std::function<void(int64_t, int64_t)> columns;
+  int64_t N, chunk, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Run() {
+    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
+      columns(c * chunk, std::min(N, (c + 1) * chunk));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Runs columns(n0, n1) over N weight rows on the calling thread and the pool.
+void Parallel(ffi::ThreadPool& pool, int64_t N, std::function<void(int64_t, int64_t)> columns) {
+  auto work = std::make_shared<Work>();
+  work->columns = std::move(columns);
+  work->N = N;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // about four chunks per thread, each a multiple of 4 and at least 16 weight rows (so tiny
+  // products stay on one thread)
+  work->chunk = std::max<int64_t>(16, ((N + 4 * threads - 1) / (4 * threads) + 3) / 4 * 4);
+  work->chunks = (N + work->chunk - 1) / work->chunk;
+  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t)
+    pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+}
+
+using Int8Matrix = ffi::Buffer<ffi::S8, 2>;
+using Int32Matrix = ffi::Buffer<ffi::S32, 2>;
+using PackedInt4Matrix = ffi::Buffer<ffi::U8, 2>;
+using FloatMatrix = ffi::Buffer<ffi::F32, 2>;
+
+ffi::Error Int8DotImpl(ffi::ThreadPool pool, Int8Matrix a, Int8Matrix w,
+                       ffi::Result<Int32Matrix> out) {
+  const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = w.dimensions()[0];
+  if (w.dimensions()[1] != K) return ffi::Error::InvalidArgument("int8 dot: K differs");
+  auto act = std::make_shared<Activations>();
+  act->raw = a.typed_data();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  act->shift.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < (K & ~int64_t(63)); ++k) sum += a.typed_data()[m * K + k];
+    act->shift[m] = 128 * sum;
+  }
+#elif defined(__AVX2__)
+  act->s16.assign(a.typed_data(), a.typed_data() + M * K);
+#endif
+  const int8_t* wd = w.typed_data();
+  int32_t* od = out->typed_data();
+  Parallel(pool, N, [act, M, wd, od, N, K](int64_t n0, int64_t n1) {
+    Columns(*act, M, wd, od, N, K, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4DotImpl(ffi::ThreadPool pool, Int8Matrix a, PackedInt4Matrix w, FloatMatrix s,
+                       ffi::Result<FloatMatrix> out) {
+  const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = w.dimensions()[0];
+  if (K % kGroup != 0 || w.dimensions()[1] != K / 2 || s.dimensions()[0] != N ||
+      s.dimensions()[1] != K / kGroup)
+    return ffi::Error::InvalidArgument("int4 dot: a [M, K], w [N, K / 2], s [N, K / 64] with K "
+                                       "a multiple of 64");
+  auto act = std::make_shared<Int4Activations>(Int4Prepare(a.typed_data(), M, K));
+  const uint8_t* wd = w.typed_data();
+  const float* sd = s.typed_data();
+  float* od = out->typed_data();
+  Parallel(pool, N, [act, M, wd, sd, od, N, K](int64_t n0, int64_t n1) {
+    Int4Columns(*act, M, wd, sd, od, N, K, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxInt8Dot, Int8DotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Int8Matrix>()
+                                  .Arg<Int8Matrix>()
+                                  .Ret<Int32Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxInt4Dot, Int4DotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Int8Matrix>()
+                                  .Arg<PackedInt4Matrix>()
+                                  .Arg<FloatMatrix>()
+                                  .Ret<FloatMatrix>());
+
+// Which instruction set the build selected (models/cpu_kernels.py logs it).
+extern "C" const char* SpecjaxIsa() { return SPECJAX_ISA; }

@@ -1,6 +1,7 @@
-"""specjax's int8 CPU kernel (models/cpu_kernels.py): the same integers as XLA's product for
-every shape and instruction-set path, used by [out, in] int8 layers, and a clear account of
-which kernel runs when it cannot be built."""
+"""specjax's CPU kernels (models/cpu_kernels.py): the int8 product gives the same integers as
+XLA's for every shape and instruction-set path and is used by [out, in] int8 layers (the int4
+product: tests/test_int4.py); attention one position at a time is attention, and the same bits
+in a pass of any width; and a clear account of which kernel runs when they cannot be built."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from specjax.models import cpu_kernels, quant
 
 needs_compiler = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not (shutil.which("c++") or shutil.which("g++")),
-    reason="specjax's int8 kernel is built for the CPU backend with a C++ compiler")
+    reason="specjax's CPU kernels are built for the CPU backend with a C++ compiler")
 
 # (M, K, N): one row; rows past the kernel's 8-row block (17); K not a multiple of its 64- or
 # 16-byte step; N below one 16-row chunk, across many, and not a multiple of the rows summed
@@ -153,3 +154,56 @@ def test_threads_deciding_at_once_decide_once(monkeypatch, fresh_status):
   for t in threads:
     t.join()
   assert built == [1] and cpu_kernels.status().active
+
+
+# ------------------------------------------------------------------ attention, one position at a time
+
+def _attention_operands(seed: int, batch=2, num_new=5, heads=6, kv_heads=2, head_dim=64, slots=256):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((batch, num_new, heads, head_dim)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((batch, kv_heads, slots, head_dim)), jnp.float32)
+          for _ in range(2))
+  first = np.array([40, 130])[:batch, None]                 # rows at different lengths
+  return q, k, v, jnp.asarray(first + np.arange(num_new), jnp.int32)
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 20])
+def test_the_attention_kernel_is_attention(window):
+  """Grouped-query attention of each query over the slots up to its own (within the window),
+  as attention.attend computes it batched, within float32 rounding."""
+  from specjax.models import attention
+  q, k, v, positions = _attention_operands(0)
+  got = jax.jit(lambda *a: cpu_kernels.attend_each_position(*a, window=window, scale=0.125))(
+      q, k, v, positions)
+  slots = jnp.arange(k.shape[2])
+  seen = slots[None, None, :] <= positions[:, :, None]
+  if window:
+    seen = seen & (slots[None, None, :] > positions[:, :, None] - window)
+  want = attention.attend(q, [(k, v, seen, None)], scale=0.125,
+                          precision=jax.lax.Precision.HIGHEST).reshape(q.shape)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kernel", [True, False])
+def test_attention_gives_a_position_the_same_bits_in_any_pass_and_cache(monkeypatch, kernel):
+  """What keeps greedy SD over a quantized target on its own tokens: each position alone (a
+  decoding step), in a pass of five, and in a cache of another capacity, bit for bit, on
+  specjax's kernel and on XLA's loop per position (where the kernel is not built); the two agree
+  within rounding."""
+  from specjax.models import attention
+  q, k, v, positions = _attention_operands(1)
+  attend = lambda *a: jax.jit(
+      lambda *a: attention.attend_each_position(*a, window=None, scale=0.125))(*a)
+  on_kernel = np.asarray(attend(q, k, v, positions))
+  if not kernel:
+    monkeypatch.setattr(cpu_kernels, "status", lambda: cpu_kernels.Status(False, "pinned"))
+  wide = np.asarray(attend(q, k, v, positions))
+  np.testing.assert_allclose(wide, on_kernel, rtol=1e-5, atol=2e-6)
+  for t in range(q.shape[1]):
+    alone = attend(q[:, t:t + 1], k, v, positions[:, t:t + 1])
+    np.testing.assert_array_equal(np.asarray(alone)[:, 0], wide[:, t])
+  pad = jnp.zeros(k.shape[:2] + (128,) + k.shape[3:], jnp.float32)
+  larger = attend(q, jnp.concatenate([k, pad], 2), jnp.concatenate([v, pad + 1.0], 2), positions)
+  np.testing.assert_array_equal(np.asarray(larger), wide)

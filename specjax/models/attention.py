@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specjax.models import cpu_kernels
+
 
 def attend(q: jax.Array, segments, scale: float | None = None, precision=None) -> jax.Array:
   """q [B,T,H,Dh]; segments: (k, v [B,Hkv,S_i,Dh], mask [B|1,T|1,S_i] bool, bias [B|1,H,T,S_i]
@@ -70,8 +72,13 @@ def attend_each_position(q: jax.Array, k: jax.Array, v: jax.Array, positions: ja
   lax.map over T runs one program per position, and each runs an online softmax over the chunks
   of CHUNK keys up to its own slot, in order, so neither T nor S changes an operand's shape or
   the order of a sum (batched products over T, or one reduction over S, round differently for
-  each T and S)."""
-  batch, _, heads, head_dim = q.shape
+  each T and S). On the CPU, in float32, specjax's kernel computes the same function with the
+  same invariance without XLA's loops (models/cpu_kernels.attend_each_position)."""
+  batch, num_new, heads, head_dim = q.shape
+  if (jax.default_backend() == "cpu" and q.dtype == k.dtype == v.dtype == jnp.float32
+      and cpu_kernels.status().active):
+    out = cpu_kernels.attend_each_position(q, k, v, positions, window, scale)
+    return out.reshape(batch, num_new, heads * head_dim)
   kv_heads = k.shape[1]
   low = jnp.finfo(jnp.float32).min
 

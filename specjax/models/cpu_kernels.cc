@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -395,6 +396,69 @@ void Int4Columns(const Int4Activations& act, int64_t M, const uint8_t* w, const 
   }
 }
 
+// ---- attention, one query position at a time -----------------------------------------------
+
+// sum_d x[d] y[d] in one fixed order (16 or 8 lanes, then the lanes in a fixed tree, then the
+// tail), whichever query or pass it serves.
+float DotF(const float* x, const float* y, int64_t n) {
+  int64_t d = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= n; d += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d), acc);
+  sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; d + 8 <= n; d += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d), acc);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  sum = _mm_cvtss_f32(h);
+#endif
+  for (; d < n; ++d) sum += x[d] * y[d];
+  return sum;
+}
+
+// The G query heads that share key/value head `kvh`, of query position t of batch row b: each
+// attends to the slots first .. pos of its row's cache (pos = its own slot), scores scaled, a
+// softmax and the weighted sum of the values, every sum in slot order. The same code for any
+// pass width T and cache capacity S, so a position's output is the same bits in any pass.
+void AttendGroup(const float* q, const float* k, const float* v, const int32_t* positions,
+                 float* out, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,
+                 int64_t window, float scale, int64_t b, int64_t t, int64_t kvh) {
+  const int64_t G = H / Hkv;
+  const int64_t pos = std::min<int64_t>(positions[b * T + t], S - 1);
+  const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  const int64_t n = std::max<int64_t>(0, pos - first + 1);
+  const float* keys = k + ((b * Hkv + kvh) * S + first) * D;
+  const float* values = v + ((b * Hkv + kvh) * S + first) * D;
+  const float* queries = q + ((b * T + t) * H + kvh * G) * D;
+  float* outs = out + ((b * T + t) * H + kvh * G) * D;
+  thread_local std::vector<float> scores;
+  scores.assign(G * n, 0.f);
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t g = 0; g < G; ++g)
+      scores[g * n + s] = DotF(queries + g * D, keys + s * D, D) * scale;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores.data() + g * n;
+    float top = -INFINITY, total = 0.f;
+    for (int64_t s = 0; s < n; ++s) top = std::max(top, sc[s]);
+    for (int64_t s = 0; s < n; ++s) total += (sc[s] = std::exp(sc[s] - top));
+    const float inv = n > 0 ? 1.f / total : 0.f;
+    for (int64_t s = 0; s < n; ++s) sc[s] *= inv;
+  }
+  std::fill(outs, outs + G * D, 0.f);
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + s];
+      float* o = outs + g * D;
+      const float* vs = values + s * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += p * vs[d];
+    }
+}
+
 // ---- the calls ----------------------------------------------------------------------------------
 
 // One call's work: the columns n0 .. n1 of `columns` for chunks of weight rows, shared with the
@@ -412,15 +476,17 @@ struct Work {
   }
 };
 
-// Runs columns(n0, n1) over N weight rows on the calling thread and the pool.
-void Parallel(ffi::ThreadPool& pool, int64_t N, std::function<void(int64_t, int64_t)> columns) {
+// Runs columns(n0, n1) over N rows (weight rows, or attention's query groups) on the calling
+// thread and the pool, in chunks of at least `least` rows.
+void Parallel(ffi::ThreadPool& pool, int64_t N, std::function<void(int64_t, int64_t)> columns,
+              int64_t least = 16) {
   auto work = std::make_shared<Work>();
   work->columns = std::move(columns);
   work->N = N;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // about four chunks per thread, each a multiple of 4 and at least 16 weight rows (so tiny
+  // about four chunks per thread, each a multiple of 4 and at least `least` rows (so tiny
   // products stay on one thread)
-  work->chunk = std::max<int64_t>(16, ((N + 4 * threads - 1) / (4 * threads) + 3) / 4 * 4);
+  work->chunk = std::max<int64_t>(least, ((N + 4 * threads - 1) / (4 * threads) + 3) / 4 * 4);
   work->chunks = (N + work->chunk - 1) / work->chunk;
   for (int64_t t = 1; t < std::min(threads, work->chunks); ++t)
     pool.Schedule([work] { work->Run(); });
@@ -474,6 +540,31 @@ ffi::Error Int4DotImpl(ffi::ThreadPool pool, Int8Matrix a, PackedInt4Matrix w, F
   return ffi::Error::Success();
 }
 
+using FloatArray4 = ffi::Buffer<ffi::F32, 4>;
+using Int32Matrix2 = ffi::Buffer<ffi::S32, 2>;
+
+ffi::Error AttendImpl(ffi::ThreadPool pool, FloatArray4 q, FloatArray4 k, FloatArray4 v,
+                      Int32Matrix2 positions, int64_t window, float scale,
+                      ffi::Result<FloatArray4> out) {
+  const int64_t B = q.dimensions()[0], T = q.dimensions()[1], H = q.dimensions()[2],
+                D = q.dimensions()[3], Hkv = k.dimensions()[1], S = k.dimensions()[2];
+  if (k.dimensions()[0] != B || k.dimensions()[3] != D || Hkv == 0 || H % Hkv != 0 ||
+      !std::equal(v.dimensions().begin(), v.dimensions().end(), k.dimensions().begin()) ||
+      positions.dimensions()[0] != B ||
+      positions.dimensions()[1] != T)
+    return ffi::Error::InvalidArgument("attention: q [B, T, H, Dh], k and v [B, Hkv, S, Dh], "
+                                       "positions [B, T], H a multiple of Hkv");
+  const float *qd = q.typed_data(), *kd = k.typed_data(), *vd = v.typed_data();
+  const int32_t* pd = positions.typed_data();
+  float* od = out->typed_data();
+  Parallel(pool, B * T * Hkv, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      AttendGroup(qd, kd, vd, pd, od, T, H, Hkv, S, D, window, scale, i / (T * Hkv),
+                  i / Hkv % T, i % Hkv);
+  }, 1);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxInt8Dot, Int8DotImpl,
@@ -490,6 +581,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxInt4Dot, Int4DotImpl,
                                   .Arg<PackedInt4Matrix>()
                                   .Arg<FloatMatrix>()
                                   .Ret<FloatMatrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttend, AttendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<FloatArray4>()
+                                  .Arg<FloatArray4>()
+                                  .Arg<FloatArray4>()
+                                  .Arg<Int32Matrix2>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Ret<FloatArray4>());
 
 // Which instruction set the build selected (models/cpu_kernels.py logs it).
 extern "C" const char* SpecjaxIsa() { return SPECJAX_ISA; }

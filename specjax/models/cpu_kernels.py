@@ -1,6 +1,6 @@
-"""specjax's own CPU kernels: the products of int8 layers stored [out, in] and of int4 layers
-(models/quant.py), built once per machine with its C++ compiler and called from XLA through the
-FFI.
+"""specjax's own CPU kernels, built once per machine with its C++ compiler and called from XLA
+through the FFI: the products of int8 layers stored [out, in] and of int4 layers
+(models/quant.py), and attention one query position at a time (models/attention.py).
 
 Why: a decoding step reads every weight once, so an int8 step should cost a quarter of a float32
 one. XLA:CPU's s8 x s8 -> s32 product reads int8 weights at about 10-13 GB/s on a 2-core AVX-512
@@ -10,7 +10,11 @@ it (AVX-512 VNNI, AVX2, or plain C++, as the compiler's -march=native finds the 
 the rows over XLA's intra-op threads. Its int8 sums are the same int32 numbers XLA's product
 gives (exact integer arithmetic), so a model's outputs are the same bits with either kernel.
 XLA has no int4 product on the CPU at all: without this kernel int4 layers are dequantized to
-float32 inside every step (quant.int4_matmul), correct and several times slower.
+float32 inside every step (quant.int4_matmul), correct and several times slower. A quantized
+model attends one query position at a time so that a verify pass gives each position a decoding
+step's bits (attention.attend_each_position); in XLA that is a loop per position and per chunk
+of keys, which cost a 4-position verify pass of the 1.5B target about 10 ms; the kernel runs each
+(row, position, key/value head) with the same code, every sum in slot order.
 
 Building: the first use compiles cpu_kernels.cc with $CXX (else c++ or g++) at -O3 -march=native
 against jax's FFI headers, into CACHE/kernels/ under a key of the source, the compiler's
@@ -36,11 +40,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-PREFIX = "specjax"               # the FFI targets PREFIX_int8_dot and PREFIX_int4_dot
+PREFIX = "specjax"               # the FFI targets PREFIX_int8_dot, PREFIX_int4_dot, PREFIX_attend
 ENV = "SPECJAX_INT8_KERNEL"
 KERNELS = ("xla", "specjax")     # the values of $SPECJAX_INT8_KERNEL
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -83,6 +88,21 @@ def int4_dot(q: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
                           jax.ShapeDtypeStruct((q.shape[0], packed.shape[0]), jnp.float32),
                           vmap_method="sequential")
   return call(q, packed, scale)
+
+
+def attend_each_position(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                         window: int | None = None, scale: float | None = None) -> jax.Array:
+  """models/attention.attend_each_position on specjax's kernel (where status().active), float32
+  only: q [B, T, H, Dh]; k, v [B, Hkv, S, Dh]; positions int32 [B, T] (each query sees the slots
+  <= its own and > its own - window) -> [B, T, H, Dh]. Each (row, position, key/value head) runs
+  the same code, every sum in slot order, so a position's output is the same bits in a pass of
+  any width and a cache of any capacity; about ten times cheaper than XLA's loop per position."""
+  if not status().active:
+    raise RuntimeError(f"specjax's CPU kernels are not in use: {status().why}")
+  call = jax.ffi.ffi_call(f"{PREFIX}_attend", jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                          vmap_method="sequential")
+  return call(q, k, v, positions.astype(jnp.int32), window=np.int64(window or 0),
+              scale=np.float32(1.0 if scale is None else scale))
 
 
 _DECIDING = threading.Lock()
@@ -153,13 +173,15 @@ _REGISTERED: dict[str, str] = {}     # prefix -> the instruction set of the libr
 
 
 def _register(library: Path, prefix: str) -> str:
-  """Loads the kernels, registers them with XLA:CPU as PREFIX_int8_dot and PREFIX_int4_dot;
+  """Loads the kernels, registers them with XLA:CPU as PREFIX_int8_dot, PREFIX_int4_dot and
+  PREFIX_attend;
   returns their instruction set. A prefix is registered once per process (XLA refuses a second
   library under one name): later calls return the first one's instruction set."""
   if prefix not in _REGISTERED:
     lib = ctypes.cdll.LoadLibrary(str(library))
     lib.SpecjaxIsa.restype = ctypes.c_char_p
-    for name, handler in (("int8_dot", lib.SpecjaxInt8Dot), ("int4_dot", lib.SpecjaxInt4Dot)):
+    for name, handler in (("int8_dot", lib.SpecjaxInt8Dot), ("int4_dot", lib.SpecjaxInt4Dot),
+                          ("attend", lib.SpecjaxAttend)):
       jax.ffi.register_ffi_target(f"{prefix}_{name}", jax.ffi.pycapsule(handler), platform="cpu")
     _REGISTERED[prefix] = lib.SpecjaxIsa().decode()
   return _REGISTERED[prefix]

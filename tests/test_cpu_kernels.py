@@ -24,7 +24,8 @@ needs_compiler = pytest.mark.skipif(
 # together (4, 3 or 2); activations past the kernel's L1 budget (M x K > 16 KiB: rows summed
 # side by side).
 SHAPES = [(1, 64, 16), (2, 100, 37), (5, 130, 7), (8, 1536, 513), (9, 200, 300),
-          (17, 96, 40), (3, 2304, 64), (4, 4200, 37), (5, 4200, 38), (7, 4100, 19)]
+          (17, 96, 40), (3, 2304, 64), (4, 4200, 37), (5, 4200, 38), (7, 4100, 19),
+          (10, 192, 50), (11, 130, 29), (40, 1536, 300)]   # a prompt: tiles, 4 rows a pass
 
 
 def _operands(m, k, n, seed=0):

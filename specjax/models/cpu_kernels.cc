@@ -88,32 +88,41 @@ void WeightRowGroups(const Activations& act, int64_t m0, const int8_t* w, int32_
   const int8_t* a = act.raw + m0 * K;
   for (int64_t n = n0; n < n1; n += G) {
     __m512i acc[G][MB];
+#pragma GCC unroll 64
     for (int g = 0; g < G; ++g)
+#pragma GCC unroll 64
       for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_setzero_si512();
     if (interleave) {
       for (int64_t k = 0; k < k64; k += 64) {
         __m512i wu[G];
+#pragma GCC unroll 64
         for (int g = 0; g < G; ++g)
           wu[g] = _mm512_xor_si512(_mm512_loadu_si512(w + (n + g) * K + k), flip);
+#pragma GCC unroll 64
         for (int m = 0; m < MB; ++m) {
           const __m512i av = _mm512_loadu_si512(a + m * K + k);
+#pragma GCC unroll 64
           for (int g = 0; g < G; ++g) acc[g][m] = _mm512_dpbusd_epi32(acc[g][m], wu[g], av);
         }
       }
     } else {
+#pragma GCC unroll 64
       for (int g = 0; g < G; ++g) {
         const int8_t* wr = w + (n + g) * K;
         for (int64_t k = 0; k < k64; k += 64) {
           const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(wr + k), flip);
+#pragma GCC unroll 64
           for (int m = 0; m < MB; ++m)
             acc[g][m] = _mm512_dpbusd_epi32(acc[g][m], wu, _mm512_loadu_si512(a + m * K + k));
         }
       }
     }
+#pragma GCC unroll 64
     for (int m = 0; m < MB; ++m) {
       auto row = [&](int g) { return g < G ? acc[g % G][m] : _mm512_setzero_si512(); };
       alignas(16) int32_t sums[4];
       _mm_store_si128(reinterpret_cast<__m128i*>(sums), Sum4(row(0), row(1), row(2), row(3)));
+#pragma GCC unroll 64
       for (int g = 0; g < G; ++g)
         out[(m0 + m) * N + n + g] = sums[g] - act.shift[m0 + m] +
                                     Dot(a + m * K, w + (n + g) * K, k64, K);
@@ -191,9 +200,74 @@ void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* ou
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// A prompt's product (many activation rows): weight rows n0 .. n1, a tile that stays in the L2
+// cache while every block of MB activation rows passes over it, G rows side by side (read from
+// cache, where that costs nothing) so that each activation vector serves G rows: G x MB
+// accumulators, every loop unrolled so that they stay in registers.
+template <int MB, int G>
+void TileRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
+              int64_t K, int64_t n0, int64_t n1) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const int64_t k64 = K & ~int64_t(63);
+  const int8_t* a = act.raw + m0 * K;
+  int64_t n = n0;
+  for (; n + G <= n1; n += G) {
+    __m512i acc[G][MB];
+#pragma GCC unroll 64
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 64
+      for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_setzero_si512();
+    const int8_t* wr = w + n * K;
+    for (int64_t k = 0; k < k64; k += 64) {
+      __m512i wu[G];
+#pragma GCC unroll 64
+      for (int g = 0; g < G; ++g)
+        wu[g] = _mm512_xor_si512(_mm512_loadu_si512(wr + g * K + k), flip);
+#pragma GCC unroll 64
+      for (int m = 0; m < MB; ++m) {
+        const __m512i av = _mm512_loadu_si512(a + m * K + k);
+#pragma GCC unroll 64
+        for (int g = 0; g < G; ++g) acc[g][m] = _mm512_dpbusd_epi32(acc[g][m], wu[g], av);
+      }
+    }
+    // (constant indices only: one computed index would keep every accumulator in memory)
+#pragma GCC unroll 64
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 64
+      for (int m = 0; m < MB; ++m)
+        out[(m0 + m) * N + n + g] = _mm512_reduce_add_epi32(acc[g][m]) - act.shift[m0 + m] +
+                                    Dot(a + m * K, wr + g * K, k64, K);
+  }
+  if (n < n1) WeightRowGroups<MB, 1, false>(act, m0, w, out, N, K, n, n1);
+}
+
+constexpr int64_t kTileBytes = 256 << 10;   // a prompt product's weight tile, in L2
+
+// out[:, n0:n1] for more activation rows than one pass takes: tile by tile, 4 rows at a time.
+void PromptColumns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, int64_t N,
+                   int64_t K, int64_t n0, int64_t n1) {
+  const int64_t tile = std::max<int64_t>(16, kTileBytes / std::max<int64_t>(K, 1));
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4: TileRows<4, 6>(act, m0, w, out, N, K, t0, t1); break;
+        case 3: TileRows<3, 8>(act, m0, w, out, N, K, t0, t1); break;
+        case 2: TileRows<2, 12>(act, m0, w, out, N, K, t0, t1); break;
+        default: TileRows<1, 16>(act, m0, w, out, N, K, t0, t1);
+      }
+    }
+  }
+}
+#endif
+
 // out[:, n0:n1] for every activation row, kMaxRows rows per pass over the weights.
 void Columns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, int64_t N,
              int64_t K, int64_t n0, int64_t n1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (M > kMaxRows) return PromptColumns(act, M, w, out, N, K, n0, n1);
+#endif
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     switch (std::min<int64_t>(kMaxRows, M - m0)) {
 #define SPECJAX_ROWS(R) \

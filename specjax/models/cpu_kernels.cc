@@ -88,41 +88,32 @@ void WeightRowGroups(const Activations& act, int64_t m0, const int8_t* w, int32_
   const int8_t* a = act.raw + m0 * K;
   for (int64_t n = n0; n < n1; n += G) {
     __m512i acc[G][MB];
-#pragma GCC unroll 64
     for (int g = 0; g < G; ++g)
-#pragma GCC unroll 64
       for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_setzero_si512();
     if (interleave) {
       for (int64_t k = 0; k < k64; k += 64) {
         __m512i wu[G];
-#pragma GCC unroll 64
         for (int g = 0; g < G; ++g)
           wu[g] = _mm512_xor_si512(_mm512_loadu_si512(w + (n + g) * K + k), flip);
-#pragma GCC unroll 64
         for (int m = 0; m < MB; ++m) {
           const __m512i av = _mm512_loadu_si512(a + m * K + k);
-#pragma GCC unroll 64
           for (int g = 0; g < G; ++g) acc[g][m] = _mm512_dpbusd_epi32(acc[g][m], wu[g], av);
         }
       }
     } else {
-#pragma GCC unroll 64
       for (int g = 0; g < G; ++g) {
         const int8_t* wr = w + (n + g) * K;
         for (int64_t k = 0; k < k64; k += 64) {
           const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(wr + k), flip);
-#pragma GCC unroll 64
           for (int m = 0; m < MB; ++m)
             acc[g][m] = _mm512_dpbusd_epi32(acc[g][m], wu, _mm512_loadu_si512(a + m * K + k));
         }
       }
     }
-#pragma GCC unroll 64
     for (int m = 0; m < MB; ++m) {
       auto row = [&](int g) { return g < G ? acc[g % G][m] : _mm512_setzero_si512(); };
       alignas(16) int32_t sums[4];
       _mm_store_si128(reinterpret_cast<__m128i*>(sums), Sum4(row(0), row(1), row(2), row(3)));
-#pragma GCC unroll 64
       for (int g = 0; g < G; ++g)
         out[(m0 + m) * N + n + g] = sums[g] - act.shift[m0 + m] +
                                     Dot(a + m * K, w + (n + g) * K, k64, K);

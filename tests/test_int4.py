@@ -230,3 +230,32 @@ def test_sharding_axes_of_int4_leaves():
   assert sharding.leaf_axes(("mlp", "wi_0", "scale"), 2, "out_in", "int4") == ("mlp", "embed")
   assert sharding.leaf_axes(("lm_head", "scale"), 2, "out_in", "int4") == ("vocab", "embed")
   assert sharding.leaf_axes(("mlp", "wi_0", "scale"), 1, "out_in", "int8") == ("mlp",)
+
+
+@needs_kernel
+def test_auto_gives_a_draft_int4_where_int8_measures_fastest(tmp_path, monkeypatch, caplog):
+  """quant="auto": a draft gets int4 where int8 wins the measurement and specjax's kernel runs
+  (a target keeps int8: its rounding would change the distribution); a draft whose widths are
+  not multiples of 64 keeps int8."""
+  import logging
+
+  import tiny_checkpoints  # tests/ is on sys.path under pytest
+  from specjax.api import loading
+  from specjax.models import hf_import, layout_choice
+  vocab = -(-tiny_checkpoints.byte_level_bpe(tmp_path) // 64) * 64
+  model = dense_layout.with_layout(_qwen2(vocab=vocab)[0], "in_out")
+  hf_import.save_model(model, model.init_params(jax.random.PRNGKey(3)), str(tmp_path))
+  narrow = tiny_checkpoints.qwen2_checkpoint(tmp_path / "narrow")           # d_model 32
+  monkeypatch.delenv("SPECJAX_QUANT")
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+  monkeypatch.setattr(layout_choice, "time_products", lambda shape, rows, *_: [1e-3] * len(rows))
+  monkeypatch.setattr(layout_choice, "time_int8_products",
+                      lambda shape, rows, layout: [0.5e-3] * len(rows))
+  with caplog.at_level(logging.INFO, logger="specjax.api.loading"):
+    draft = loading.load(str(tmp_path), quant="auto", role="draft", rows=(1,))
+    target = loading.load(str(tmp_path), quant="auto", role="target", rows=(1, 4))
+    small = loading.load(str(narrow), quant="auto", role="draft", rows=(1,))
+  assert (draft.model.quant, draft.model.config.layout) == ("int4", "out_in")
+  assert "weights of the draft: int4 layers" in caplog.text
+  assert "int4 for a draft on specjax's CPU kernel" in caplog.text
+  assert target.model.quant == small.model.quant == "int8"

@@ -196,6 +196,11 @@ def test_matmul_tool_measures_every_case_and_refuses_bad_flags(tmp_path, capsys)
   assert matmul.main(["--k", "16", "--n", "24", "--rows", "2", "--dtypes", "int8", "--copies", "3",
                       "--repeats", "2", "--output_json", str(out)]) == 0
   assert [r["copies"] for r in json.loads(out.read_text())["records"]] == [3, 3, 3, 3]
+  assert matmul.main(["--k", "64", "--n", "24", "--rows", "2", "--dtypes", "int4",
+                      "--repeats", "2", "--output_json", str(out)]) == 0
+  records = json.loads(out.read_text())["records"]                  # int4 is stored [N, K] only
+  assert [(r["dtype"], r["layout"], r["rows"]) for r in records] == [("int4", "NK", 1),
+                                                                       ("int4", "NK", 2)]
   calls = []
   assert matmul.time_call(lambda x, w: calls.append(w), 0, [(1,), (2,), (3,)], repeats=4) >= 0
   assert calls == [1, 2, 3, 1, 2, 3, 1]       # each copy compiled first, then taken in turn

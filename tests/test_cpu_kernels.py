@@ -157,9 +157,10 @@ def test_threads_deciding_at_once_decide_once(monkeypatch, fresh_status):
   assert built == [1] and cpu_kernels.status().active
 
 
-# ------------------------------------------------------------------ attention, one position at a time
+# ---------------------------------------------------------- attention, one position at a time
 
-def _attention_operands(seed: int, batch=2, num_new=5, heads=6, kv_heads=2, head_dim=64, slots=256):
+def _attention_operands(seed: int, batch=2, num_new=5, heads=6, kv_heads=2, head_dim=64,
+                        slots=256):
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.standard_normal((batch, num_new, heads, head_dim)), jnp.float32)
   k, v = (jnp.asarray(rng.standard_normal((batch, kv_heads, slots, head_dim)), jnp.float32)

@@ -133,7 +133,8 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   quant: "int8" stores the transformer layers' dense kernels as int8 with a scale per output
   channel (models/quant.py; decoder-only families; W8A8 on the CPU, weight-only on
   accelerators); "int4" as int4 with a scale per 64 inputs (layout out_in; W4A8 on the CPU: a
-  draft's choice, where rounding costs acceptance only); "" keeps them in `dtype`; "auto": int8 where
+  draft's choice, where rounding costs acceptance only); "" keeps them in `dtype`; "auto" (for
+  role "draft": int4 where int8 wins and specjax's CPU kernel runs): int8 where
   it measures faster than float weights for this model's shapes at widths `rows` (on the CPU
   backend, for a decoder-only family, layout not out_in: models/layout_choice.py, measured once
   per machine and kept in the cache), else "", logged with the costs; $SPECJAX_QUANT (int8 or

@@ -1,7 +1,8 @@
-"""int8 (and int4, below) weights: the dense layers of a decoder-only model stored as int8 with a float32 scale per
-output channel. On the CPU they are multiplied as int8 x int8 -> int32 with activations quantized
-per row on the fly (W8A8, symmetric, round to nearest); on accelerators weight-only (W8A16: the
-kernel converted to the activations' dtype inside the product, the scale applied to its output).
+"""int8 (and int4, below) weights: the dense layers of a decoder-only model stored as int8 with a
+float32 scale per output channel. On the CPU they are multiplied as int8 x int8 -> int32 with
+activations quantized per row on the fly (W8A8, symmetric, round to nearest); on accelerators
+weight-only (W8A16: the kernel converted to the activations' dtype inside the product, the scale
+applied to its output).
 
 Why weight-only on accelerators: a batch-1 step reads every weight once either way, so both read
 a byte per weight, and only W8A8 adds rounding; XLA fuses the conversion into the product there.

@@ -19,8 +19,9 @@ of keys, which cost a 4-position verify pass of the 1.5B target about 10 ms; the
 Building: the first use compiles cpu_kernels.cc with $CXX (else c++ or g++) at -O3 -march=native
 against jax's FFI headers, into CACHE/kernels/ under a key of the source, the compiler's
 version, the CPU's flags and jaxlib's version (CACHE: $SPECJAX_CACHE, else ~/.cache/specjax). A
-couple of seconds, once. $SPECJAX_INT8_KERNEL chooses: "xla" (XLA's product), "specjax" (this
-kernel; an error when it cannot be built), unset: this kernel when it builds, else XLA's with a
+couple of seconds, once. $SPECJAX_INT8_KERNEL chooses for all three: "xla" (XLA's int8 product,
+int4 weights dequantized in each step, XLA's loop per position), "specjax" (these kernels; an
+error when they cannot be built), unset: these kernels when they build, else XLA's with a
 warning that says why and what to install.
 """
 
@@ -54,9 +55,9 @@ _BUILD_TIMEOUT_S = 300
 
 @dataclasses.dataclass(frozen=True)
 class Status:
-  """Whether int8 products of [out, in] kernels and int4 products run on specjax's kernels
-  (`active`), and a line saying which and why (`describe`), with the instruction set they were
-  built for ("" if not)."""
+  """Whether int8 products of [out, in] kernels, int4 products and attention one position at a
+  time run on specjax's kernels (`active`), and a line saying which and why (`describe`), with
+  the instruction set they were built for ("" if not)."""
   active: bool
   why: str
   isa: str = ""
@@ -70,24 +71,16 @@ class Status:
 def int8_dot(q: jax.Array, kernel: jax.Array) -> jax.Array:
   """q [M, K] int8 times kernel [N, K] int8 (an [out, in] int8 layer) -> int32 [M, N], on
   specjax's kernel (where status().active). vmap runs it once per mapped element."""
-  if not status().active:
-    raise RuntimeError(f"specjax's int8 CPU kernel is not in use: {status().why}")
-  call = jax.ffi.ffi_call(f"{PREFIX}_int8_dot",
-                          jax.ShapeDtypeStruct((q.shape[0], kernel.shape[0]), jnp.int32),
-                          vmap_method="sequential")
-  return call(q, kernel)
+  return _call("int8_dot", jax.ShapeDtypeStruct((q.shape[0], kernel.shape[0]), jnp.int32))(
+      q, kernel)
 
 
 def int4_dot(q: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
   """q [M, K] int8 times an int4 layer (packed uint8 [N, K / 2], scale float32 [N, K / 64]; the
   packing is quant.pack_int4's) -> float32 [M, N]: sum over groups g of scale[n, g] x the exact
   integer sum of the group, on specjax's kernel (where status().active). K a multiple of 64."""
-  if not status().active:
-    raise RuntimeError(f"specjax's CPU kernels are not in use: {status().why}")
-  call = jax.ffi.ffi_call(f"{PREFIX}_int4_dot",
-                          jax.ShapeDtypeStruct((q.shape[0], packed.shape[0]), jnp.float32),
-                          vmap_method="sequential")
-  return call(q, packed, scale)
+  return _call("int4_dot", jax.ShapeDtypeStruct((q.shape[0], packed.shape[0]), jnp.float32))(
+      q, packed, scale)
 
 
 def attend_each_position(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
@@ -97,12 +90,17 @@ def attend_each_position(q: jax.Array, k: jax.Array, v: jax.Array, positions: ja
   <= its own and > its own - window) -> [B, T, H, Dh]. Each (row, position, key/value head) runs
   the same code, every sum in slot order, so a position's output is the same bits in a pass of
   any width and a cache of any capacity; about ten times cheaper than XLA's loop per position."""
+  return _call("attend", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+      q, k, v, positions.astype(jnp.int32), window=np.int64(window or 0),
+      scale=np.float32(1.0 if scale is None else scale))
+
+
+def _call(name: str, result: jax.ShapeDtypeStruct):
+  """The FFI call of the kernel PREFIX_name returning `result` (vmap: once per mapped element);
+  a RuntimeError naming the reason where the kernels are not in use."""
   if not status().active:
     raise RuntimeError(f"specjax's CPU kernels are not in use: {status().why}")
-  call = jax.ffi.ffi_call(f"{PREFIX}_attend", jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                          vmap_method="sequential")
-  return call(q, k, v, positions.astype(jnp.int32), window=np.int64(window or 0),
-              scale=np.float32(1.0 if scale is None else scale))
+  return jax.ffi.ffi_call(f"{PREFIX}_{name}", result, vmap_method="sequential")
 
 
 _DECIDING = threading.Lock()

@@ -220,7 +220,8 @@ def _put_quantized_output_layer(params: dict, raw: np.ndarray, dtype, check, out
   """An untied output layer stored [V, D] -> params["lm_head"] (int8: kernel [D, V], [V, D] when
   `out_in`, scale [V]; int4: kernel [V, D / 2], scale [V, D / 64]), read, transposed if so and
   quantized _OUTPUT_ROWS rows at a time, each step finished before the next starts: the same
-  bits as quantizing the whole kernel (its scales are per vocabulary entry), without its float32 copy and temporaries (Qwen's 151,936 x 1536
+  bits as quantizing the whole kernel (its scales are per vocabulary entry), without its
+  float32 copy and temporaries (Qwen's 151,936 x 1536
   head: 0.9 GB each). check(count) takes each step's NaN / inf count."""
   kernels, scales = [], []
   for start in range(0, raw.shape[0], _OUTPUT_ROWS):

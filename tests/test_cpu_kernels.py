@@ -20,9 +20,9 @@ needs_compiler = pytest.mark.skipif(
     reason="specjax's CPU kernels are built for the CPU backend with a C++ compiler")
 
 # (M, K, N): one row; rows past the kernel's 8-row block (17); K not a multiple of its 64- or
-# 16-byte step; N below one 16-row chunk, across many, and not a multiple of the rows summed
-# together (4, 3 or 2); activations past the kernel's L1 budget (M x K > 16 KiB: rows summed
-# side by side).
+# 16-byte step; N below one 16-row chunk, across many, and not a multiple of the weight rows
+# read side by side (8 on avx512-vnni, 4 or 2 on avx2); activations past the kernel's L1 budget
+# (M x K > 16 KiB: weight rows read side by side).
 SHAPES = [(1, 64, 16), (2, 100, 37), (5, 130, 7), (8, 1536, 513), (9, 200, 300),
           (17, 96, 40), (3, 2304, 64), (4, 4200, 37), (5, 4200, 38), (7, 4100, 19),
           (10, 192, 50), (11, 130, 29), (40, 1536, 300)]   # a prompt: tiles, 4 rows a pass

@@ -71,15 +71,17 @@ def test_the_kernel_is_the_exact_w4a8_product(m, k, n):
 
 
 @needs_kernel
-def test_a_row_is_the_same_bits_in_a_product_of_any_width():
+@pytest.mark.parametrize("m, k, n", [(7, 896, 300), (23, 192, 303)])
+def test_a_row_is_the_same_bits_in_a_product_of_any_width(m, k, n):
   """What keeps greedy SD over an int4 target on its own tokens: row i of an M-row product is
-  the bits of that row alone (each group's sum is exact, the groups add in one fixed order)."""
-  rng = np.random.default_rng(1)
-  packed, scale = quant.pack_int4(jnp.asarray(rng.standard_normal((300, 896)), jnp.float32))
-  q = jnp.asarray(rng.integers(-127, 128, (7, 896), dtype=np.int8))
+  the bits of that row alone (each group's sum is exact, the groups add in one fixed order),
+  also in a prompt's product (M > 8: weight tiles, 5 rows side by side, an odd group last)."""
+  rng = np.random.default_rng(m)
+  packed, scale = quant.pack_int4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32))
+  q = jnp.asarray(rng.integers(-127, 128, (m, k), dtype=np.int8))
   dot = jax.jit(cpu_kernels.int4_dot)
   wide = np.asarray(dot(q, packed, scale))
-  for i in range(7):
+  for i in range(m):
     np.testing.assert_array_equal(np.asarray(dot(q[i:i + 1], packed, scale))[0], wide[i])
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.models import cpu_kernels, quant
+from specjax.models import cpu_kernels, kv_cache, quant
 
 needs_compiler = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not (shutil.which("c++") or shutil.which("g++")),
@@ -161,23 +161,35 @@ def test_threads_deciding_at_once_decide_once(monkeypatch, fresh_status):
 
 def _attention_operands(seed: int, batch=2, num_new=5, heads=6, kv_heads=2, head_dim=64,
                         slots=256):
+  """q [B, T, H, Dh]; a cache (k, v) [B, Hkv, S, Dh] whose slots past each row's length hold
+  junk (as rejected drafts leave them); the block's (k, v) [B, T, Hkv, Dh]; positions [B, T];
+  lengths [B] (rows at different lengths)."""
   rng = np.random.default_rng(seed)
-  q = jnp.asarray(rng.standard_normal((batch, num_new, heads, head_dim)), jnp.float32)
-  k, v = (jnp.asarray(rng.standard_normal((batch, kv_heads, slots, head_dim)), jnp.float32)
-          for _ in range(2))
-  first = np.array([40, 130])[:batch, None]                 # rows at different lengths
-  return q, k, v, jnp.asarray(first + np.arange(num_new), jnp.int32)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q = normal(batch, num_new, heads, head_dim)
+  cache = normal(batch, kv_heads, slots, head_dim), normal(batch, kv_heads, slots, head_dim)
+  block = normal(batch, num_new, kv_heads, head_dim), normal(batch, num_new, kv_heads, head_dim)
+  lengths = jnp.asarray([40, 130][:batch], jnp.int32)
+  return q, cache, block, lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32), lengths
+
+
+def _written(cache, block, lengths):
+  """The cache with the block written at each row's length: [B, Hkv, S, Dh] each."""
+  return tuple(kv_cache.write_layers(buf[None], new[None], lengths)[0]
+               for buf, new in zip(cache, block))
 
 
 @needs_compiler
 @pytest.mark.parametrize("window", [None, 20])
 def test_the_attention_kernel_is_attention(window):
-  """Grouped-query attention of each query over the slots up to its own (within the window),
-  as attention.attend computes it batched, within float32 rounding."""
+  """Grouped-query attention of each query over the slots up to its own (within the window), the
+  cache's below the row's length and the block's after, as attention.attend computes it batched
+  over the cache with the block written, within float32 rounding."""
   from specjax.models import attention
-  q, k, v, positions = _attention_operands(0)
+  q, cache, block, positions, lengths = _attention_operands(0)
   got = jax.jit(lambda *a: cpu_kernels.attend_each_position(*a, window=window, scale=0.125))(
-      q, k, v, positions)
+      q, *cache, *block, positions, lengths)
+  k, v = _written(cache, block, lengths)
   slots = jnp.arange(k.shape[2])
   seen = slots[None, None, :] <= positions[:, :, None]
   if window:
@@ -190,22 +202,24 @@ def test_the_attention_kernel_is_attention(window):
 @needs_compiler
 @pytest.mark.parametrize("kernel", [True, False])
 def test_attention_gives_a_position_the_same_bits_in_any_pass_and_cache(monkeypatch, kernel):
-  """What keeps greedy SD over a quantized target on its own tokens: each position alone (a
-  decoding step), in a pass of five, and in a cache of another capacity, bit for bit, on
-  specjax's kernel and on XLA's loop per position (where the kernel is not built); the two agree
-  within rounding."""
+  """What keeps greedy SD over a quantized target on its own tokens: each position as a decoding
+  step gives it (the block's earlier entries already in the cache, the position alone), in a
+  pass of five, and in a cache of another capacity, bit for bit, on specjax's kernel and on
+  XLA's loop per position (where the kernel is not built); the two agree within rounding."""
   from specjax.models import attention
-  q, k, v, positions = _attention_operands(1)
+  q, cache, block, positions, lengths = _attention_operands(1)
   attend = lambda *a: jax.jit(
       lambda *a: attention.attend_each_position(*a, window=None, scale=0.125))(*a)
-  on_kernel = np.asarray(attend(q, k, v, positions))
+  on_kernel = np.asarray(attend(q, cache, block, positions, lengths))
   if not kernel:
     monkeypatch.setattr(cpu_kernels, "status", lambda: cpu_kernels.Status(False, "pinned"))
-  wide = np.asarray(attend(q, k, v, positions))
+  wide = np.asarray(attend(q, cache, block, positions, lengths))
   np.testing.assert_allclose(wide, on_kernel, rtol=1e-5, atol=2e-6)
   for t in range(q.shape[1]):
-    alone = attend(q[:, t:t + 1], k, v, positions[:, t:t + 1])
+    earlier = _written(cache, tuple(x[:, :t] for x in block), lengths)
+    alone = attend(q[:, t:t + 1], earlier, tuple(x[:, t:t + 1] for x in block),
+                   positions[:, t:t + 1], lengths + t)
     np.testing.assert_array_equal(np.asarray(alone)[:, 0], wide[:, t])
-  pad = jnp.zeros(k.shape[:2] + (128,) + k.shape[3:], jnp.float32)
-  larger = attend(q, jnp.concatenate([k, pad], 2), jnp.concatenate([v, pad + 1.0], 2), positions)
-  np.testing.assert_array_equal(np.asarray(larger), wide)
+  pad = jnp.zeros(cache[0].shape[:2] + (128,) + cache[0].shape[3:], jnp.float32)
+  larger = (jnp.concatenate([cache[0], pad], 2), jnp.concatenate([cache[1], pad + 1.0], 2))
+  np.testing.assert_array_equal(np.asarray(attend(q, larger, block, positions, lengths)), wide)

@@ -11,7 +11,8 @@ grouped [B, T, Hkv, G, Dh] rather than the keys repeated, so the cache is read a
 (Hkv = H is plain multi-head attention, G = 1).
 
 `attend_each_position` is the width-invariant form: each query position attends on its own over
-one segment (the cache with the block written at its positions), so a position's output is the
+one segment (the cache with the block written at its positions; specjax's CPU kernel reads the
+two where they lie), so a position's output is the
 same bits whether it came in a pass of one position or of T, and whatever the cache's capacity.
 Batched products over T positions, a cache/block split and one reduction over S all change the
 order of float sums with T or S (about 1e-7 apart).
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import cpu_kernels
+from specjax.models import kv_cache as kvc
 
 
 def attend(q: jax.Array, segments, scale: float | None = None, precision=None) -> jax.Array:
@@ -61,24 +63,29 @@ def attend(q: jax.Array, segments, scale: float | None = None, precision=None) -
 CHUNK = 128
 
 
-def attend_each_position(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                         window: int | None = None, scale: float | None = None,
-                         precision=None) -> jax.Array:
-  """`attend`, with each query position on its own: q [B,T,H,Dh]; k, v [B,Hkv,S,Dh] one segment
-  holding every key at its slot (the block's included), S a multiple of CHUNK; positions [B,T]
-  the queries' slots (a query sees the slots <= its own, and > its own - window) -> [B,T,H*Dh].
+def attend_each_position(q: jax.Array, cache: tuple[jax.Array, jax.Array],
+                         block: tuple[jax.Array, jax.Array], positions: jax.Array,
+                         lengths: jax.Array, window: int | None = None,
+                         scale: float | None = None, precision=None) -> jax.Array:
+  """`attend`, with each query position on its own: q [B,T,H,Dh]; cache (k, v) [B,Hkv,S,Dh] read
+  only, row b's keys at the slots below lengths[b]; block (k, v) [B,T,Hkv,Dh] the block's own,
+  at slots lengths[b] .. lengths[b]+T-1; positions [B,T] the queries' slots (a query sees the
+  slots <= its own, and > its own - window) -> [B,T,H*Dh].
 
   A position's output is the same bits in a pass of any width T and a cache of any capacity S: a
-  lax.map over T runs one program per position, and each runs an online softmax over the chunks
-  of CHUNK keys up to its own slot, in order, so neither T nor S changes an operand's shape or
-  the order of a sum (batched products over T, or one reduction over S, round differently for
-  each T and S). On the CPU, in float32, specjax's kernel computes the same function with the
-  same invariance without XLA's loops (models/cpu_kernels.attend_each_position)."""
+  lax.map over T runs one program per position over one segment (the cache with the block
+  written, its length padded to a multiple of CHUNK), and each runs an online softmax over the
+  chunks of CHUNK keys up to its own slot, in order, so neither T nor S changes an operand's
+  shape or the order of a sum (batched products over T, or one reduction over S, round
+  differently for each T and S). On the CPU, in float32, specjax's kernel computes the same
+  function with the same invariance without XLA's loops, reading the cache and the block where
+  they lie (models/cpu_kernels.attend_each_position)."""
   batch, num_new, heads, head_dim = q.shape
-  if (jax.default_backend() == "cpu" and q.dtype == k.dtype == v.dtype == jnp.float32
-      and cpu_kernels.status().active):
-    out = cpu_kernels.attend_each_position(q, k, v, positions, window, scale)
+  if (jax.default_backend() == "cpu" and cpu_kernels.status().active
+      and all(x.dtype == jnp.float32 for x in (q, *cache, *block))):
+    out = cpu_kernels.attend_each_position(q, *cache, *block, positions, lengths, window, scale)
     return out.reshape(batch, num_new, heads * head_dim)
+  k, v = (kvc.with_block(buf, new, lengths, CHUNK) for buf, new in zip(cache, block))
   kv_heads = k.shape[1]
   low = jnp.finfo(jnp.float32).min
 

@@ -21,6 +21,7 @@
 // task queued behind busy threads never blocks it (and finds nothing left when it runs).
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -512,25 +513,33 @@ float DotF(const float* x, const float* y, int64_t n) {
 }
 
 // The G query heads that share key/value head `kvh`, of query position t of batch row b: each
-// attends to the slots first .. pos of its row's cache (pos = its own slot), scores scaled, a
-// softmax and the weighted sum of the values, every sum in slot order. The same code for any
-// pass width T and cache capacity S, so a position's output is the same bits in any pass.
-void AttendGroup(const float* q, const float* k, const float* v, const int32_t* positions,
-                 float* out, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,
-                 int64_t window, float scale, int64_t b, int64_t t, int64_t kvh) {
+// attends to the slots first .. pos (pos = its own slot), scores scaled, a softmax and the
+// weighted sum of the values, every sum in slot order. Slots below lengths[b] are the cache's
+// (kc, vc [B, Hkv, S, Dh], read only), the block's T entries (kn, vn [B, T, Hkv, Dh], as the
+// projections give them) come next, so no copy of the cache with the block written is made.
+// The same code for any pass width T and cache capacity S, so a position's output is the same
+// bits in any pass.
+void AttendGroup(const float* q, const float* kc, const float* vc, const float* kn,
+                 const float* vn, const int32_t* positions, const int32_t* lengths, float* out,
+                 int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D, int64_t window,
+                 float scale, int64_t b, int64_t t, int64_t kvh) {
   const int64_t G = H / Hkv;
-  const int64_t pos = std::min<int64_t>(positions[b * T + t], S - 1);
+  const int64_t start = std::clamp<int64_t>(lengths[b], 0, S);
+  const int64_t pos = std::min<int64_t>(positions[b * T + t], start + T - 1);
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
   const int64_t n = std::max<int64_t>(0, pos - first + 1);
-  const float* keys = k + ((b * Hkv + kvh) * S + first) * D;
-  const float* values = v + ((b * Hkv + kvh) * S + first) * D;
+  auto slot = [&](const float* cache, const float* block, int64_t s) {
+    return s < start ? cache + ((b * Hkv + kvh) * S + s) * D
+                     : block + ((b * T + s - start) * Hkv + kvh) * D;
+  };
   const float* queries = q + ((b * T + t) * H + kvh * G) * D;
   float* outs = out + ((b * T + t) * H + kvh * G) * D;
   thread_local std::vector<float> scores;
   scores.assign(G * n, 0.f);
-  for (int64_t s = 0; s < n; ++s)
-    for (int64_t g = 0; g < G; ++g)
-      scores[g * n + s] = DotF(queries + g * D, keys + s * D, D) * scale;
+  for (int64_t s = 0; s < n; ++s) {
+    const float* key = slot(kc, kn, first + s);
+    for (int64_t g = 0; g < G; ++g) scores[g * n + s] = DotF(queries + g * D, key, D) * scale;
+  }
   for (int64_t g = 0; g < G; ++g) {
     float* sc = scores.data() + g * n;
     float top = -INFINITY, total = 0.f;
@@ -540,13 +549,14 @@ void AttendGroup(const float* q, const float* k, const float* v, const int32_t* 
     for (int64_t s = 0; s < n; ++s) sc[s] *= inv;
   }
   std::fill(outs, outs + G * D, 0.f);
-  for (int64_t s = 0; s < n; ++s)
+  for (int64_t s = 0; s < n; ++s) {
+    const float* vs = slot(vc, vn, first + s);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + s];
       float* o = outs + g * D;
-      const float* vs = values + s * D;
       for (int64_t d = 0; d < D; ++d) o[d] += p * vs[d];
     }
+  }
 }
 
 // ---- the calls ----------------------------------------------------------------------------------
@@ -633,24 +643,32 @@ ffi::Error Int4DotImpl(ffi::ThreadPool pool, Int8Matrix a, PackedInt4Matrix w, F
 using FloatArray4 = ffi::Buffer<ffi::F32, 4>;
 using Int32Matrix2 = ffi::Buffer<ffi::S32, 2>;
 
-ffi::Error AttendImpl(ffi::ThreadPool pool, FloatArray4 q, FloatArray4 k, FloatArray4 v,
-                      Int32Matrix2 positions, int64_t window, float scale,
+using Int32Vector = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Error AttendImpl(ffi::ThreadPool pool, FloatArray4 q, FloatArray4 kc, FloatArray4 vc,
+                      FloatArray4 kn, FloatArray4 vn, Int32Matrix2 positions,
+                      Int32Vector lengths, int64_t window, float scale,
                       ffi::Result<FloatArray4> out) {
   const int64_t B = q.dimensions()[0], T = q.dimensions()[1], H = q.dimensions()[2],
-                D = q.dimensions()[3], Hkv = k.dimensions()[1], S = k.dimensions()[2];
-  if (k.dimensions()[0] != B || k.dimensions()[3] != D || Hkv == 0 || H % Hkv != 0 ||
-      !std::equal(v.dimensions().begin(), v.dimensions().end(), k.dimensions().begin()) ||
-      positions.dimensions()[0] != B ||
-      positions.dimensions()[1] != T)
-    return ffi::Error::InvalidArgument("attention: q [B, T, H, Dh], k and v [B, Hkv, S, Dh], "
-                                       "positions [B, T], H a multiple of Hkv");
-  const float *qd = q.typed_data(), *kd = k.typed_data(), *vd = v.typed_data();
-  const int32_t* pd = positions.typed_data();
+                D = q.dimensions()[3], Hkv = kc.dimensions()[1], S = kc.dimensions()[2];
+  auto dims = [](const FloatArray4& x, std::array<int64_t, 4> want) {
+    return std::equal(want.begin(), want.end(), x.dimensions().begin());
+  };
+  if (Hkv == 0 || H % Hkv != 0 || !dims(kc, {B, Hkv, S, D}) || !dims(vc, {B, Hkv, S, D}) ||
+      !dims(kn, {B, T, Hkv, D}) || !dims(vn, {B, T, Hkv, D}) ||
+      positions.dimensions()[0] != B || positions.dimensions()[1] != T ||
+      lengths.dimensions()[0] != B)
+    return ffi::Error::InvalidArgument("attention: q [B, T, H, Dh], the cache's k and v [B, Hkv, "
+                                       "S, Dh], the block's [B, T, Hkv, Dh], positions [B, T], "
+                                       "lengths [B], H a multiple of Hkv");
+  const float *qd = q.typed_data(), *kcd = kc.typed_data(), *vcd = vc.typed_data(),
+              *knd = kn.typed_data(), *vnd = vn.typed_data();
+  const int32_t *pd = positions.typed_data(), *ld = lengths.typed_data();
   float* od = out->typed_data();
   Parallel(pool, B * T * Hkv, [=](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
-      AttendGroup(qd, kd, vd, pd, od, T, H, Hkv, S, D, window, scale, i / (T * Hkv),
-                  i / Hkv % T, i % Hkv);
+      AttendGroup(qd, kcd, vcd, knd, vnd, pd, ld, od, T, H, Hkv, S, D, window, scale,
+                  i / (T * Hkv), i / Hkv % T, i % Hkv);
   }, 1);
   return ffi::Error::Success();
 }
@@ -678,7 +696,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttend, AttendImpl,
                                   .Arg<FloatArray4>()
                                   .Arg<FloatArray4>()
                                   .Arg<FloatArray4>()
+                                  .Arg<FloatArray4>()
+                                  .Arg<FloatArray4>()
                                   .Arg<Int32Matrix2>()
+                                  .Arg<Int32Vector>()
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale")
                                   .Ret<FloatArray4>());

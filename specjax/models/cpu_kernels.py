@@ -83,16 +83,19 @@ def int4_dot(q: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
       q, packed, scale)
 
 
-def attend_each_position(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+def attend_each_position(q: jax.Array, k: jax.Array, v: jax.Array, k_new: jax.Array,
+                         v_new: jax.Array, positions: jax.Array, lengths: jax.Array,
                          window: int | None = None, scale: float | None = None) -> jax.Array:
   """models/attention.attend_each_position on specjax's kernel (where status().active), float32
-  only: q [B, T, H, Dh]; k, v [B, Hkv, S, Dh]; positions int32 [B, T] (each query sees the slots
-  <= its own and > its own - window) -> [B, T, H, Dh]. Each (row, position, key/value head) runs
-  the same code, every sum in slot order, so a position's output is the same bits in a pass of
-  any width and a cache of any capacity; about ten times cheaper than XLA's loop per position."""
+  only: q [B, T, H, Dh]; the cache's k, v [B, Hkv, S, Dh] (read only: the slots below lengths[b]
+  of row b); the block's k_new, v_new [B, T, Hkv, Dh] (slots lengths[b] .. lengths[b] + T - 1);
+  positions int32 [B, T] (each query sees the slots <= its own and > its own - window), lengths
+  int32 [B] -> [B, T, H, Dh]. Each (row, position, key/value head) runs the same code, every sum
+  in slot order, so a position's output is the same bits in a pass of any width and a cache of
+  any capacity; the cache is read where it lies, never copied with the block written."""
   return _call("attend", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-      q, k, v, positions.astype(jnp.int32), window=np.int64(window or 0),
-      scale=np.float32(1.0 if scale is None else scale))
+      q, k, v, k_new, v_new, positions.astype(jnp.int32), lengths.astype(jnp.int32),
+      window=np.int64(window or 0), scale=np.float32(1.0 if scale is None else scale))
 
 
 def _call(name: str, result: jax.ShapeDtypeStruct):

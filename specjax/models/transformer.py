@@ -290,10 +290,9 @@ class _Attention(nn.Module):
       q, k = _rotate(q, *rotary), _rotate(k, *rotary)
     scale = 1.0 / math.sqrt(head_dim)
     if isinstance(masks, EachPosition):
-      k_all, v_all = (kvc.with_block(buf, new, masks.lengths, attention.CHUNK)
-                      for buf, new in ((k_buf, k), (v_buf, v)))               # [B,Hkv,S',Dh]
-      ctx = attention.attend_each_position(q, k_all, v_all, masks.positions, a.sliding_window,
-                                           scale, a.precision)                 # [B, T, H*Dh]
+      ctx = attention.attend_each_position(q, (k_buf, v_buf), (k, v), masks.positions,
+                                           masks.lengths, a.sliding_window, scale,
+                                           a.precision)                        # [B, T, H*Dh]
     else:
       segments = [(k_buf, v_buf, masks.cache, None),                           # the cache
                   (attention.heads_first(k), attention.heads_first(v), masks.block, None)]

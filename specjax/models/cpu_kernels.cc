@@ -64,22 +64,10 @@ int32_t Dot(const int8_t* a, const int8_t* w, int64_t from, int64_t to) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// [a, b, c, d]: the sums of four vectors' 16 lanes, with 13 instructions instead of 4 x 9.
-__m128i Sum4(__m512i a, __m512i b, __m512i c, __m512i d) {
-  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
-  const __m512i abcd =
-      _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-  const __m256i half =
-      _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
-  return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
-}
-
 // VNNI multiplies unsigned by signed bytes: the weights are made unsigned (w ^ 0x80 = w + 128)
 // and the activations stay signed, so sum (w + 128) a = sum w a + 128 sum a, and the shift is
 // removed with the activation row's sum, computed once per call. G weight rows are read side by
-// side, so that each activation vector loaded serves G rows, and their sums are reduced four at
-// a time.
+// side, so that each activation vector loaded serves G rows.
 template <int MB, int G>
 void WeightRowGroups(const Activations& act, int64_t m0, const int8_t* w, int32_t* out,
                      int64_t N, int64_t K, int64_t n0, int64_t n1) {
@@ -106,35 +94,34 @@ void WeightRowGroups(const Activations& act, int64_t m0, const int8_t* w, int32_
     }
     // (constant indices only: one computed index would keep every accumulator in memory)
 #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 4
-      for (int g0 = 0; g0 < G; g0 += 4) {
-        auto row = [&](int g) { return g < G ? acc[g < G ? g : 0][m] : _mm512_setzero_si512(); };
-        alignas(16) int32_t sums[4];
-        _mm_store_si128(reinterpret_cast<__m128i*>(sums),
-                        Sum4(row(g0), row(g0 + 1), row(g0 + 2), row(g0 + 3)));
-#pragma GCC unroll 4
-        for (int g = g0; g < std::min(G, g0 + 4); ++g)
-          out[(m0 + m) * N + n + g] = sums[g - g0] - act.shift[m0 + m] +
-                                      Dot(a + m * K, w + (n + g) * K, k64, K);
-      }
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m)
+        out[(m0 + m) * N + n + g] = _mm512_reduce_add_epi32(acc[g][m]) - act.shift[m0 + m] +
+                                    Dot(a + m * K, w + (n + g) * K, k64, K);
   }
+}
+
+// Weight rows n0 .. n1: G side by side, the last (n1 - n0) % G one at a time.
+template <int MB, int G>
+void SideBySide(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
+                int64_t K, int64_t n0, int64_t n1) {
+  const int64_t whole = n0 + (n1 - n0) / G * G;
+  WeightRowGroups<MB, G>(act, m0, w, out, N, K, n0, whole);
+  WeightRowGroups<MB, 1>(act, m0, w, out, N, K, whole, n1);
 }
 
 // Where the activations fit in the L1 cache, one weight row after the other (one linear stream,
 // as the rows lie in memory); else 8 rows side by side, each activation vector loaded from L2
-// serving 8 rows (a [4, 8960] verify pass of a 1.5B target's down projection: about 0.8x the
-// time of 4 rows side by side, and about a one-row product's, on an AMD EPYC with AVX-512).
+// serving 8 rows (4 at a time was measurably slower for a verify pass's [4, 8960] products on
+// an AMD EPYC with AVX-512).
 template <int MB>
 void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
                 int64_t K, int64_t n0, int64_t n1) {
-  constexpr int G = 8;
-  int64_t whole = n0;
-  if (MB * K > kL1Bytes) {
-    whole += (n1 - n0) / G * G;
-    WeightRowGroups<MB, G>(act, m0, w, out, N, K, n0, whole);
-  }
-  WeightRowGroups<MB, 1>(act, m0, w, out, N, K, whole, n1);
+  if (MB * K > kL1Bytes)
+    SideBySide<MB, 8>(act, m0, w, out, N, K, n0, n1);
+  else
+    WeightRowGroups<MB, 1>(act, m0, w, out, N, K, n0, n1);
 }
 #elif defined(__AVX2__)
 int32_t Sum8(__m256i v) {
@@ -196,50 +183,12 @@ void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* ou
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// A prompt's product (many activation rows): weight rows n0 .. n1, a tile that stays in the L2
-// cache while every block of MB activation rows passes over it, G rows side by side (read from
-// cache, where that costs nothing) so that each activation vector serves G rows: G x MB
-// accumulators, every loop unrolled so that they stay in registers.
-template <int MB, int G>
-void TileRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
-              int64_t K, int64_t n0, int64_t n1) {
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
-  const int64_t k64 = K & ~int64_t(63);
-  const int8_t* a = act.raw + m0 * K;
-  int64_t n = n0;
-  for (; n + G <= n1; n += G) {
-    __m512i acc[G][MB];
-#pragma GCC unroll 64
-    for (int g = 0; g < G; ++g)
-#pragma GCC unroll 64
-      for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_setzero_si512();
-    const int8_t* wr = w + n * K;
-    for (int64_t k = 0; k < k64; k += 64) {
-      __m512i wu[G];
-#pragma GCC unroll 64
-      for (int g = 0; g < G; ++g)
-        wu[g] = _mm512_xor_si512(_mm512_loadu_si512(wr + g * K + k), flip);
-#pragma GCC unroll 64
-      for (int m = 0; m < MB; ++m) {
-        const __m512i av = _mm512_loadu_si512(a + m * K + k);
-#pragma GCC unroll 64
-        for (int g = 0; g < G; ++g) acc[g][m] = _mm512_dpbusd_epi32(acc[g][m], wu[g], av);
-      }
-    }
-    // (constant indices only: one computed index would keep every accumulator in memory)
-#pragma GCC unroll 64
-    for (int g = 0; g < G; ++g)
-#pragma GCC unroll 64
-      for (int m = 0; m < MB; ++m)
-        out[(m0 + m) * N + n + g] = _mm512_reduce_add_epi32(acc[g][m]) - act.shift[m0 + m] +
-                                    Dot(a + m * K, wr + g * K, k64, K);
-  }
-  if (n < n1) WeightRowGroups<MB, 1>(act, m0, w, out, N, K, n, n1);
-}
-
 constexpr int64_t kTileBytes = 256 << 10;   // a prompt product's weight tile, in L2
 
-// out[:, n0:n1] for more activation rows than one pass takes: tile by tile, 4 rows at a time.
+// out[:, n0:n1] for more activation rows than one pass takes (a prompt's product): tiles of weight
+// rows that stay in L2 while every block of 4 activation rows passes over them, G rows side by
+// side (read from cache, where that costs nothing) so that each activation vector serves G rows,
+// the G x 4 accumulators in registers.
 void PromptColumns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, int64_t N,
                    int64_t K, int64_t n0, int64_t n1) {
   const int64_t tile = std::max<int64_t>(16, kTileBytes / std::max<int64_t>(K, 1));
@@ -247,10 +196,10 @@ void PromptColumns(const Activations& act, int64_t M, const int8_t* w, int32_t* 
     const int64_t t1 = std::min(n1, t0 + tile);
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       switch (std::min<int64_t>(4, M - m0)) {
-        case 4: TileRows<4, 6>(act, m0, w, out, N, K, t0, t1); break;
-        case 3: TileRows<3, 8>(act, m0, w, out, N, K, t0, t1); break;
-        case 2: TileRows<2, 12>(act, m0, w, out, N, K, t0, t1); break;
-        default: TileRows<1, 16>(act, m0, w, out, N, K, t0, t1);
+        case 4: SideBySide<4, 6>(act, m0, w, out, N, K, t0, t1); break;
+        case 3: SideBySide<3, 8>(act, m0, w, out, N, K, t0, t1); break;
+        case 2: SideBySide<2, 12>(act, m0, w, out, N, K, t0, t1); break;
+        default: SideBySide<1, 16>(act, m0, w, out, N, K, t0, t1);
       }
     }
   }

@@ -19,13 +19,15 @@ needs_compiler = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not (shutil.which("c++") or shutil.which("g++")),
     reason="specjax's CPU kernels are built for the CPU backend with a C++ compiler")
 
-# (M, K, N): one row; rows past the kernel's 8-row block (17); K not a multiple of its 64- or
-# 16-byte step; N below one 16-row chunk, across many, and not a multiple of the weight rows
-# read side by side (8 on avx512-vnni, 4 or 2 on avx2); activations past the kernel's L1 budget
-# (M x K > 16 KiB: weight rows read side by side).
+# (M, K, N): one row; every row count of a pass (1-8) and past it (a prompt: tiles, 8 rows a
+# pass on avx512-vnni); K not a multiple of 4 or 16 (a block's last entries on avx512-vnni, the
+# tail of a row on avx2) and N not a multiple of the 16-row block (the rows after the last
+# block), N below one block; activations past the kernel's L1 budget (rows x K > 16 KiB: two
+# blocks, or avx2's G rows, side by side), with K % 4 left over and in a prompt's tiles too.
 SHAPES = [(1, 64, 16), (2, 100, 37), (5, 130, 7), (8, 1536, 513), (9, 200, 300),
           (17, 96, 40), (3, 2304, 64), (4, 4200, 37), (5, 4200, 38), (7, 4100, 19),
-          (10, 192, 50), (11, 130, 29), (40, 1536, 300)]   # a prompt: tiles, 4 rows a pass
+          (10, 192, 50), (11, 130, 29), (40, 1536, 300), (6, 99, 33), (3, 1538, 48),
+          (5, 4098, 40), (20, 2101, 70)]
 
 
 def _operands(m, k, n, seed=0):
@@ -36,12 +38,17 @@ def _operands(m, k, n, seed=0):
   return q, w, q.astype(np.int64) @ w.astype(np.int64).T
 
 
+def _stored(w):
+  """An [out, in] int8 kernel as this machine's int8 kernel reads it (quant.blocks_int8)."""
+  return quant.block_int8(jnp.asarray(w)) if quant.blocks_int8() else jnp.asarray(w)
+
+
 @needs_compiler
 @pytest.mark.parametrize("m, k, n", SHAPES)
 def test_the_kernel_gives_the_integer_product(m, k, n):
   assert cpu_kernels.status().active, cpu_kernels.status().why
   q, w, want = _operands(m, k, n)
-  got = jax.jit(cpu_kernels.int8_dot)(jnp.asarray(q), jnp.asarray(w))
+  got = jax.jit(cpu_kernels.int8_dot)(jnp.asarray(q), _stored(w))
   assert got.dtype == jnp.int32 and got.shape == (m, n)
   np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -49,6 +56,7 @@ def test_the_kernel_gives_the_integer_product(m, k, n):
 @needs_compiler
 def test_under_vmap_and_inside_a_loop():
   q, w, want = _operands(3, 128, 40)
+  w = _stored(w)
   stacked = jnp.stack([jnp.asarray(q), jnp.asarray(q[::-1])])
   got = jax.jit(jax.vmap(cpu_kernels.int8_dot, in_axes=(0, None)))(stacked, jnp.asarray(w))
   np.testing.assert_array_equal(np.asarray(got[1]), want[::-1])
@@ -71,7 +79,8 @@ def test_each_instruction_set_path(tmp_path, monkeypatch, march, isa):
   for m, k, n in SHAPES:
     q, w, want = _operands(m, k, n, seed=1)
     call = jax.ffi.ffi_call(f"{prefix}_int8_dot", jax.ShapeDtypeStruct((m, n), jnp.int32))
-    np.testing.assert_array_equal(np.asarray(jax.jit(call)(q, w)), want)
+    stored = quant.block_int8(w) if isa in cpu_kernels.BLOCKED_ISAS else w
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(q, stored)), want)
   # int4 (quant.int4_matmul's product): the same numbers as this machine's own build
   rng = np.random.default_rng(2)
   for m, k, n in [(1, 128, 16), (3, 192, 33), (9, 896, 40)]:
@@ -93,11 +102,50 @@ def test_out_in_int8_layers_give_xla_s_bits(monkeypatch, rows):
   x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
   kernel = jnp.asarray(rng.integers(-127, 128, (40, 96), dtype=np.int8))
   scale = jnp.asarray(rng.random(40) + 0.5, jnp.float32)
-  product = lambda: jax.jit(lambda x: quant.int8_matmul(x, kernel, scale, transposed=True))(x)
-  ours = product()
+  product = lambda w: jax.jit(lambda x: quant.int8_matmul(x, w, scale, transposed=True))(x)
+  ours = product(_stored(kernel))
   monkeypatch.setattr(cpu_kernels, "status", lambda: cpu_kernels.Status(False, "test"))
-  xla = product()
+  assert not quant.blocks_int8()
+  xla = product(kernel)
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(xla))
+
+
+@pytest.mark.parametrize("lead, n, k", [((), 37, 99), ((2,), 48, 8), ((), 5, 6), ((3,), 32, 130)])
+def test_the_blocked_layout_is_a_reordering(lead, n, k):
+  """block_int8 keeps the shape and moves each entry where cpu_kernels.cc reads it (16 rows'
+  entries four at a time, each block's last K % 4 entries after, the rows past the last block
+  as they are); unblock_int8 undoes it."""
+  w = np.random.default_rng(3).integers(-127, 128, (*lead, n, k), dtype=np.int8)
+  blocked = np.asarray(quant.block_int8(jnp.asarray(w)))
+  assert blocked.shape == w.shape
+  flat = blocked.reshape(*lead, n * k)
+  k4, full = k // 4 * 4, n // 16 * 16
+  for row, col in [(0, 0), (1, 2), (15, 5), (17, min(k - 1, 9)), (full - 1, k - 1), (n - 1, k - 1)]:
+    if row < 0 or row >= n:
+      continue
+    if row >= full:
+      at = row * k + col
+    elif col < k4:
+      at = row // 16 * 16 * k + col // 4 * 64 + row % 16 * 4 + col % 4
+    else:
+      at = row // 16 * 16 * k + 16 * k4 + row % 16 * (k - k4) + col - k4
+    assert flat[..., at].tolist() == w[..., row, col].tolist(), (row, col)
+  np.testing.assert_array_equal(np.asarray(quant.unblock_int8(jnp.asarray(blocked))), w)
+
+
+@pytest.mark.parametrize("isa, blocked", [("avx512-vnni", True), ("avx2", False),
+                                           ("generic", False)])
+def test_only_the_vnni_build_reads_blocked_weights(monkeypatch, isa, blocked):
+  """quantize_kernel stores [out, in] int8 kernels blocked exactly where the kernel reads them
+  so (its avx512-vnni build), and plain elsewhere (other builds, XLA's product)."""
+  w = jnp.asarray(np.random.default_rng(4).standard_normal((32, 8)), jnp.float32)
+  monkeypatch.setattr(cpu_kernels, "status", lambda: cpu_kernels.Status(False, "test"))
+  assert not quant.blocks_int8()
+  plain = np.asarray(quant.quantize_kernel.__wrapped__(w, True)[0])
+  monkeypatch.setattr(cpu_kernels, "status", lambda: cpu_kernels.Status(True, "built", isa))
+  assert quant.blocks_int8() is blocked
+  got = np.asarray(quant.quantize_kernel.__wrapped__(w, True)[0])
+  np.testing.assert_array_equal(got, np.asarray(quant.block_int8(plain)) if blocked else plain)
 
 
 @pytest.fixture

@@ -284,10 +284,12 @@ def test_int8_kernels_stored_out_in_give_the_in_out_bits(tmp_path, family, scan)
   from specjax.models import dense_layout, hf_import
   model, params = _int8_model(family, scan)
   out_in = dense_layout.with_layout(model, "out_in")
-  flip = lambda p, x: x.T if dense_layout.transposes(
+  # [out, in], in the CPU kernel's blocked layout where it runs (quant.block_int8)
+  stored = quant.block_int8 if quant.blocks_int8() else (lambda x: x)
+  flip = lambda p, x: stored(x.T) if dense_layout.transposes(
       tuple(getattr(k, "key", k) for k in p), "out_in", "int8") and x.ndim >= 2 else x
   if scan:
-    flip = lambda p, x: (jnp.swapaxes(x, -1, -2) if dense_layout.transposes(
+    flip = lambda p, x: (stored(jnp.swapaxes(x, -1, -2)) if dense_layout.transposes(
         tuple(getattr(k, "key", k) for k in p), "out_in", "int8") else x)
   flipped = jax.tree_util.tree_map_with_path(flip, params)
   like = jax.eval_shape(out_in.init_params, jax.random.PRNGKey(0))

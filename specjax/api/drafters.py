@@ -23,6 +23,7 @@ from specjax.drafting import HeadDrafter
 from specjax.models import dense_layout
 from specjax.models.draft_head import DraftHead, with_target
 from specjax.models import layers as layers_lib
+from specjax.models import quant as quant_lib
 from specjax.models.prompting import eos_ids
 from specjax.models.sub_vocab import SubVocab
 
@@ -104,7 +105,7 @@ def _cut_head(params, subset: SubVocab, quant: str, tied: bool, layout: str) -> 
   if quant:
     out_in = dense_layout.transposes(("lm_head", "kernel"), layout, quant)
     kernel = head["kernel"]
-    return {"kernel": (jnp.take(kernel, jnp.asarray(subset.ids), axis=0) if out_in
+    return {"kernel": (quant_lib.take_rows(kernel, subset.ids) if out_in
                        else subset.head_columns(kernel)),
             "scale": jnp.take(head["scale"], jnp.asarray(subset.ids), axis=0)}
   if tied:

@@ -368,7 +368,8 @@ def _quantized(model, quant: str, role: str):
 
 
 PARAM_CACHE_VERSION = 1
-QUANT_VERSION = 3        # int8 params: bump when quant.quantize_params changes (3: [V, D] heads)
+QUANT_VERSION = 4        # int8 params: bump when quant.quantize_params changes (3: [V, D] heads,
+                         # 4: [out, in] int8 kernels blocked where specjax's CPU kernel runs)
 
 
 def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "",
@@ -381,7 +382,8 @@ def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "",
   if os.environ.get("SPECJAX_PARAM_CACHE", "1") == "0" or root.resolve() not in path.parents:
     return None
   files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".json"))
-  quant_key = {"quant": quant, "qv": QUANT_VERSION} if quant else {}   # float keys as before
+  quant_key = ({"quant": quant, "qv": QUANT_VERSION, "blocked": quant_lib.blocks_int8()}
+               if quant else {})                                         # float keys as before
   if layout not in (None, dense_layout.IN_OUT):
     quant_key["layout"] = layout
   key = settings_key({"path": str(path), "dtype": dtype, "scan": scan, **quant_key,

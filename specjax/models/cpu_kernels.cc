@@ -1,7 +1,8 @@
 // specjax's quantized products for XLA:CPU, called through XLA's FFI (models/cpu_kernels.py
 // builds them with the machine's C++ compiler for the machine's own instruction set).
 //
-//   int8:  out[m, n] = sum_k a[m, k] w[n, k]                     a int8 [M, K], w int8 [N, K],
+//   int8:  out[m, n] = sum_k a[m, k] w[n, k]                     a int8 [M, K], w int8 [N, K]
+//                                                                 in the blocked layout below,
 //                                                                 out int32 [M, N]
 //   int4:  out[m, n] = sum_g s[n, g] sum_{k in group g} a[m, k] w[n, k]
 //          a int8 [M, K]; w int4 in [-8, 7], packed uint8 [N, K / 2]; s float32 [N, K / 64];
@@ -25,6 +26,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -46,14 +48,28 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxRows = 8;  // activation rows multiplied per pass over a weight row
+constexpr int kMaxRows = 8;  // activation rows multiplied per pass over the weights
+constexpr int64_t kBlock = 16;  // weight rows per block of the blocked int8 layout
 constexpr int64_t kL1Bytes = 16 << 10;  // activations up to this size are read from L1
+constexpr int64_t kTileBytes = 256 << 10;   // a prompt product's weight tile, in L2
+
+// The blocked int8 layout (avx512-vnni builds; models/quant.block_int8 writes it, and other
+// builds read the plain [N, K] matrix): the N x K weights as N / 16
+// blocks of 16 rows, then the last N % 16 rows as they are. A block is its rows' first
+// K - K % 4 entries four at a time, [K / 4, 16, 4] (64 bytes: entries 4q .. 4q + 3 of each of
+// the 16 rows), then their last K % 4 entries, [16, K % 4]; 16 K bytes in all, so the whole is
+// N K bytes, the shape of the plain [N, K] matrix. One 64-byte load gives the next four entries
+// of 16 rows, and one multiply-add per activation row (its four entries broadcast) adds them to
+// 16 sums, one per weight row: no horizontal sums at the end of a row, and each activation read
+// is 4 bytes, so a verify pass's 4-8 rows cost little more than a step's one.
 
 // The activations as the inner loop reads them: as given, with 128 x each row's sum of the
-// first K - K % 64 entries (avx512-vnni), or widened to int16 (avx2).
+// first K - K % 4 entries and those entries regrouped (avx512-vnni), or widened to int16 (avx2).
 struct Activations {
   const int8_t* raw;            // [M, K]
   std::vector<int32_t> shift;   // [M] (avx512-vnni)
+  std::vector<int32_t> quads;   // [ceil(M / 8), K / 4, 8] (avx512-vnni): 8 rows' entries four
+                                // at a time side by side, zero past row M
   std::vector<int16_t> s16;     // [M, K] (avx2)
 };
 
@@ -64,66 +80,154 @@ int32_t Dot(const int8_t* a, const int8_t* w, int64_t from, int64_t to) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// VNNI multiplies unsigned by signed bytes: the weights are made unsigned (w ^ 0x80 = w + 128)
-// and the activations stay signed, so sum (w + 128) a = sum w a + 128 sum a, and the shift is
-// removed with the activation row's sum, computed once per call. G weight rows are read side by
-// side, so that each activation vector loaded serves G rows.
-template <int MB, int G>
-void WeightRowGroups(const Activations& act, int64_t m0, const int8_t* w, int32_t* out,
-                     int64_t N, int64_t K, int64_t n0, int64_t n1) {
+// out[m, n .. n + 15] += the last K % 4 entries' products of block `block` (rows n .. n + 15).
+void BlockTail(const int8_t* a, const int8_t* block, int32_t* out, int64_t K) {
+  const int64_t k4 = K & ~int64_t(3), rest = K - k4;
+  for (int64_t r = 0; r < kBlock; ++r)
+    out[r] += Dot(a, block + k4 * kBlock + r * rest - k4, k4, K);
+}
+
+// acc += u8 x s8 (VNNI, in place). Written in assembly because GCC's intrinsic, in these
+// unrolled loops, copied each accumulator to another register and back around every
+// multiply-add, which halved a prompt's throughput.
+inline __m512i Dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+}
+
+// acc[p][m] += block p's 16 rows' entries 4q .. 4q + 3 (at wq[p]) times row m's (aq[m]).
+template <int MB, int P>
+__attribute__((always_inline)) inline void AddQuad(__m512i (&acc)[P][MB],
+                                                   const int8_t* const (&wq)[P],
+                                                   const int32_t* aq) {
   const __m512i flip = _mm512_set1_epi8(char(0x80));
-  const int64_t k64 = K & ~int64_t(63);
-  const int8_t* a = act.raw + m0 * K;
-  for (int64_t n = n0; n < n1; n += G) {
-    __m512i acc[G][MB];
+  __m512i wv[P];
 #pragma GCC unroll 16
-    for (int g = 0; g < G; ++g)
+  for (int p = 0; p < P; ++p) wv[p] = _mm512_xor_si512(_mm512_loadu_si512(wq[p]), flip);
 #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_setzero_si512();
-    for (int64_t k = 0; k < k64; k += 64) {
-      __m512i wu[G];
+  for (int m = 0; m < MB; ++m) {
+    const __m512i av = _mm512_set1_epi32(aq[m]);
 #pragma GCC unroll 16
-      for (int g = 0; g < G; ++g)
-        wu[g] = _mm512_xor_si512(_mm512_loadu_si512(w + (n + g) * K + k), flip);
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) {
-        const __m512i av = _mm512_loadu_si512(a + m * K + k);
-#pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) acc[g][m] = _mm512_dpbusd_epi32(acc[g][m], wu[g], av);
-      }
-    }
-    // (constant indices only: one computed index would keep every accumulator in memory)
-#pragma GCC unroll 16
-    for (int g = 0; g < G; ++g)
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m)
-        out[(m0 + m) * N + n + g] = _mm512_reduce_add_epi32(acc[g][m]) - act.shift[m0 + m] +
-                                    Dot(a + m * K, w + (n + g) * K, k64, K);
+    for (int p = 0; p < P; ++p) acc[p][m] = Dpbusd(acc[p][m], wv[p], av);
   }
 }
 
-// Weight rows n0 .. n1: G side by side, the last (n1 - n0) % G one at a time.
-template <int MB, int G>
-void SideBySide(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
-                int64_t K, int64_t n0, int64_t n1) {
-  const int64_t whole = n0 + (n1 - n0) / G * G;
-  WeightRowGroups<MB, G>(act, m0, w, out, N, K, n0, whole);
-  WeightRowGroups<MB, 1>(act, m0, w, out, N, K, whole, n1);
+// VNNI multiplies unsigned by signed bytes: the weights are made unsigned (w ^ 0x80 = w + 128)
+// and the activations stay signed, so sum (w + 128) a = sum w a + 128 sum a, and the shift is
+// removed with the activation row's sum, computed once per call. P blocks side by side (each
+// activation entry loaded serves P blocks: where the rows' activations are read from L2), and U
+// chains of sums per row (the quads q with q % U = u), so that few rows are not bound by the
+// multiply-add's latency.
+template <int MB, int U, int P>
+void BlockRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
+               int64_t K, int64_t n) {
+  const int64_t quads = K / 4, whole = quads / U * U;
+  // rows m0 .. m0 + 7's entries four at a time, side by side (m0 is a multiple of kMaxRows)
+  const int32_t* aq = act.quads.data() + m0 * quads;
+  const int8_t* wq[P];
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) wq[p] = w + (n + p * kBlock) * K;
+  __m512i acc[U][P][MB];
+#pragma GCC unroll 16
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) acc[u][p][m] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < whole; q += U) {
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+      AddQuad<MB, P>(acc[u], wq, aq + (q + u) * kMaxRows);
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) wq[p] += 64;
+    }
+  }
+  for (int64_t q = whole; q < quads; ++q) {
+    AddQuad<MB, P>(acc[0], wq, aq + q * kMaxRows);
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) wq[p] += 64;
+  }
+  // (constant indices only: one computed index would keep every accumulator in memory)
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+      __m512i sum = acc[0][p][m];
+#pragma GCC unroll 16
+      for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, acc[u][p][m]);
+      int32_t* o = out + (m0 + m) * N + n + p * kBlock;
+      _mm512_storeu_si512(o, _mm512_sub_epi32(sum, _mm512_set1_epi32(act.shift[m0 + m])));
+      if (K % 4) BlockTail(act.raw + (m0 + m) * K, w + (n + p * kBlock) * K, o, K);
+    }
 }
 
-// Where the activations fit in the L1 cache, one weight row after the other (one linear stream,
-// as the rows lie in memory); else 8 rows side by side, each activation vector loaded from L2
-// serving 8 rows (4 at a time was measurably slower for a verify pass's [4, 8960] products on
-// an AMD EPYC with AVX-512).
+// Rows m0 .. m0 + MB - 1 times `blocks` (1 or 2) blocks from row n: two side by side where the
+// rows' activations outgrow L1 (a verify pass's down projection: one activation load served
+// two weight vectors, 0.8x the time for the 1.5B target's [4, 8960] x [1536, 8960] on an AMD
+// EPYC with AVX-512), else one with more chains where fewer rows give fewer sums.
 template <int MB>
-void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
-                int64_t K, int64_t n0, int64_t n1) {
-  if (MB * K > kL1Bytes)
-    SideBySide<MB, 8>(act, m0, w, out, N, K, n0, n1);
+void Block(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
+           int64_t K, int64_t n, int blocks) {
+  if (blocks == 2)
+    BlockRows<MB, 1, 2>(act, m0, w, out, N, K, n);
   else
-    WeightRowGroups<MB, 1>(act, m0, w, out, N, K, n0, n1);
+    BlockRows<MB, (MB <= 2 ? 4 : MB <= 4 ? 2 : 1), 1>(act, m0, w, out, N, K, n);
 }
-#elif defined(__AVX2__)
+
+// How many blocks Columns gives Block at once (up to `left`).
+// Columns' units of work: blocks of 16 weight rows (the rows after the last block one more),
+// as many as the pool's threads take at least.
+constexpr int64_t kUnit = kBlock, kLeastUnits = 1;
+
+int BlocksAtOnce(int64_t rows, int64_t K, int64_t left) {
+  return rows * K > kL1Bytes && left >= 2 ? 2 : 1;
+}
+
+// Rows m0 .. m0 + rows - 1 of out (rows <= kMaxRows) for `blocks` blocks from row n.
+void BlockAny(const Activations& act, int64_t m0, int64_t rows, const int8_t* w, int32_t* out,
+              int64_t N, int64_t K, int64_t n, int blocks) {
+  switch (rows) {
+#define SPECJAX_ROWS(R) \
+  case R:               \
+    Block<R>(act, m0, w, out, N, K, n, blocks); \
+    break;
+    SPECJAX_ROWS(1) SPECJAX_ROWS(2) SPECJAX_ROWS(3) SPECJAX_ROWS(4)
+    SPECJAX_ROWS(5) SPECJAX_ROWS(6) SPECJAX_ROWS(7) SPECJAX_ROWS(8)
+#undef SPECJAX_ROWS
+  }
+}
+
+// out[:, 16 b0 : 16 b1] (the last N % 16 rows where b1 passes the blocks) for every activation
+// row. A decoding step's or verify pass's rows (M <= 8) pass over each block once; a prompt's
+// take tiles of blocks that stay in L2 while every 8 activation rows pass over them.
+void Columns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, int64_t N,
+             int64_t K, int64_t b0, int64_t b1) {
+  const int64_t blocks = N / kBlock;
+  const int64_t tile = M > kMaxRows ? std::max<int64_t>(1, kTileBytes / (kBlock * K)) : b1 - b0;
+  for (int64_t t0 = b0; t0 < std::min(b1, blocks); t0 += tile) {
+    const int64_t t1 = std::min({b1, blocks, t0 + tile});
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
+      for (int64_t b = t0, at; b < t1; b += at) {
+        at = BlocksAtOnce(rows, K, t1 - b);
+        BlockAny(act, m0, rows, w, out, N, K, b * kBlock, int(at));
+      }
+    }
+  }
+  if (b1 > blocks)                      // the rows after the last block, stored as they are
+    for (int64_t n = blocks * kBlock; n < N; ++n)
+      for (int64_t m = 0; m < M; ++m) out[m * N + n] = Dot(act.raw + m * K, w + n * K, 0, K);
+}
+#else   // the plain layout
+// Columns' units of work: weight rows, at least 16 to a chunk (tiny products stay on one thread)
+constexpr int64_t kUnit = 1, kLeastUnits = 16;
+
+#if defined(__AVX2__)
+// Without VNNI the weights keep the plain [N, K] layout: AVX2's widening multiply-adds over the
+// blocked one (a broadcast of four int16 entries per product, where the plain layout loads
+// sixteen) measured slower at 4 rows, compiled for AVX2 on the AVX-512 machine where the
+// blocked layout was made. Rows are read one after another, or G side by side where the
+// activations outgrow L1.
 int32_t Sum8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -172,7 +276,7 @@ void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* ou
   WeightRowGroups<MB, G>(act, m0, w, out, N, K, n0, whole);
   WeightRowGroups<MB, 1>(act, m0, w, out, N, K, whole, n1);
 }
-#else
+#else   // plain C++, the plain layout
 template <int MB>
 void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* out, int64_t N,
                 int64_t K, int64_t n0, int64_t n1) {
@@ -182,36 +286,9 @@ void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* ou
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int64_t kTileBytes = 256 << 10;   // a prompt product's weight tile, in L2
-
-// out[:, n0:n1] for more activation rows than one pass takes (a prompt's product): tiles of weight
-// rows that stay in L2 while every block of 4 activation rows passes over them, G rows side by
-// side (read from cache, where that costs nothing) so that each activation vector serves G rows,
-// the G x 4 accumulators in registers.
-void PromptColumns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, int64_t N,
-                   int64_t K, int64_t n0, int64_t n1) {
-  const int64_t tile = std::max<int64_t>(16, kTileBytes / std::max<int64_t>(K, 1));
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t t1 = std::min(n1, t0 + tile);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 4: SideBySide<4, 6>(act, m0, w, out, N, K, t0, t1); break;
-        case 3: SideBySide<3, 8>(act, m0, w, out, N, K, t0, t1); break;
-        case 2: SideBySide<2, 12>(act, m0, w, out, N, K, t0, t1); break;
-        default: SideBySide<1, 16>(act, m0, w, out, N, K, t0, t1);
-      }
-    }
-  }
-}
-#endif
-
 // out[:, n0:n1] for every activation row, kMaxRows rows per pass over the weights.
 void Columns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, int64_t N,
              int64_t K, int64_t n0, int64_t n1) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (M > kMaxRows) return PromptColumns(act, M, w, out, N, K, n0, n1);
-#endif
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     switch (std::min<int64_t>(kMaxRows, M - m0)) {
 #define SPECJAX_ROWS(R) \
@@ -224,6 +301,7 @@ void Columns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, i
     }
   }
 }
+#endif
 
 // ---- int4 weights (W4A8) -------------------------------------------------------------------
 
@@ -525,8 +603,8 @@ struct Work {
   }
 };
 
-// Runs columns(n0, n1) over N rows (weight rows, or attention's query groups) on the calling
-// thread and the pool, in chunks of at least `least` rows.
+// Runs columns(n0, n1) over N units (int4 weight rows, blocks of 16 int8 weight rows, or
+// attention's query groups) on the calling thread and the pool, in chunks of at least `least`.
 void Parallel(ffi::ThreadPool& pool, int64_t N, std::function<void(int64_t, int64_t)> columns,
               int64_t least = 16) {
   auto work = std::make_shared<Work>();
@@ -555,20 +633,25 @@ ffi::Error Int8DotImpl(ffi::ThreadPool pool, Int8Matrix a, Int8Matrix w,
   auto act = std::make_shared<Activations>();
   act->raw = a.typed_data();
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int64_t quads = K / 4;
   act->shift.resize(M);
+  act->quads.assign((M + kMaxRows - 1) / kMaxRows * quads * kMaxRows, 0);
   for (int64_t m = 0; m < M; ++m) {
     int32_t sum = 0;
-    for (int64_t k = 0; k < (K & ~int64_t(63)); ++k) sum += a.typed_data()[m * K + k];
+    for (int64_t k = 0; k < 4 * quads; ++k) sum += a.typed_data()[m * K + k];
     act->shift[m] = 128 * sum;
+    int32_t* row = act->quads.data() + (m / kMaxRows * quads) * kMaxRows + m % kMaxRows;
+    for (int64_t q = 0; q < quads; ++q)
+      std::memcpy(row + q * kMaxRows, a.typed_data() + m * K + 4 * q, 4);
   }
 #elif defined(__AVX2__)
   act->s16.assign(a.typed_data(), a.typed_data() + M * K);
 #endif
   const int8_t* wd = w.typed_data();
   int32_t* od = out->typed_data();
-  Parallel(pool, N, [act, M, wd, od, N, K](int64_t n0, int64_t n1) {
-    Columns(*act, M, wd, od, N, K, n0, n1);
-  });
+  Parallel(pool, (N + kUnit - 1) / kUnit, [act, M, wd, od, N, K](int64_t u0, int64_t u1) {
+    Columns(*act, M, wd, od, N, K, u0, u1);
+  }, kLeastUnits);
   return ffi::Error::Success();
 }
 

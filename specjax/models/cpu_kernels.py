@@ -5,9 +5,10 @@ through the FFI: the products of int8 layers stored [out, in] and of int4 layers
 Why: a decoding step reads every weight once, so an int8 step should cost a quarter of a float32
 one. XLA:CPU's s8 x s8 -> s32 product reads int8 weights at about 10-13 GB/s on a 2-core AVX-512
 machine, where its float32 product streams 33-43 GB/s, and it has a slow path for a one-row
-product. `cpu_kernels.cc` streams each weight row once and multiplies every activation row by
-it (AVX-512 VNNI, AVX2, or plain C++, as the compiler's -march=native finds the CPU), splitting
-the rows over XLA's intra-op threads. Its int8 sums are the same int32 numbers XLA's product
+product. `cpu_kernels.cc` streams the weights once and multiplies every activation row by them
+(AVX-512 VNNI, AVX2, or plain C++, as the compiler's -march=native finds the CPU), splitting
+the rows over XLA's intra-op threads; int8 weights are read in a blocked layout
+(quant.block_int8) that gives 16 rows' sums per multiply-add. Its int8 sums are the same int32 numbers XLA's product
 gives (exact integer arithmetic), so a model's outputs are the same bits with either kernel.
 XLA has no int4 product on the CPU at all: without this kernel int4 layers are dequantized to
 float32 inside every step (quant.int4_matmul), correct and several times slower. A quantized
@@ -68,9 +69,21 @@ class Status:
     return f"XLA's product ({self.why})"
 
 
+# The builds that read int8 weights in quant.block_int8's layout (cpu_kernels.cc); the others
+# read the plain [N, K] matrix.
+BLOCKED_ISAS = ("avx512-vnni",)
+
+
+def int8_blocked() -> bool:
+  """Whether this process's int8 kernel reads [out, in] weights in quant.block_int8's layout:
+  the kernels are in use and built for an instruction set of BLOCKED_ISAS."""
+  return status().active and status().isa in BLOCKED_ISAS
+
+
 def int8_dot(q: jax.Array, kernel: jax.Array) -> jax.Array:
-  """q [M, K] int8 times kernel [N, K] int8 (an [out, in] int8 layer) -> int32 [M, N], on
-  specjax's kernel (where status().active). vmap runs it once per mapped element."""
+  """q [M, K] int8 times kernel [N, K] int8 (an [out, in] int8 layer; in quant.block_int8's
+  layout where int8_blocked()) -> int32 [M, N], on specjax's kernel (where status().active).
+  vmap runs it once per mapped element."""
   return _call("int8_dot", jax.ShapeDtypeStruct((q.shape[0], kernel.shape[0]), jnp.int32))(
       q, kernel)
 

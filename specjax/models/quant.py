@@ -13,9 +13,12 @@ eval.bench's --quant int8 rows; quant="auto" keeps the model dtype there until m
 Why W8A8 on the CPU: a decoding step is a matrix-vector product that reads every
 weight once, so its time is the weights' bytes; int8 reads a quarter of float32's. A kernel
 stored [out, in] is multiplied by specjax's own CPU kernel (models/cpu_kernels.py: int8 x int8
--> int32, streaming each weight row once for every activation row, at about float32's bytes per
-second). One stored [in, out], or any where that kernel cannot be built, goes through XLA:CPU's
-int8 x int8 -> int32 product, which runs two or more rows through its integer kernels, while a
+-> int32, streaming the weights once for every activation row, at about float32's bytes per
+second), and kept in that kernel's blocked layout (block_int8: 16 rows' entries interleaved four
+at a time; the [out, in] shape, its entries reordered, so param trees and sharding rules are
+unchanged), which lets a verify pass's 4-8 rows cost little more than one. One stored
+[in, out], or any where that kernel cannot be built, goes through XLA:CPU's int8 x int8 -> int32
+product, which runs two or more rows through its integer kernels, while a
 float32 x dequantized-int8 product or a one-row int8 product falls back to a slow loop (about
 15x float32's time); so activations are quantized, and a one-row product is padded to two rows
 there. Both give the same int32 sums.
@@ -196,10 +199,57 @@ def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.round(rows / row_scale).astype(jnp.int8), row_scale
 
 
+def blocks_int8() -> bool:
+  """Whether int8 kernels stored [out, in] are kept in specjax's CPU kernel's blocked layout in
+  this process (block_int8): where that kernel multiplies them (jax's default backend is the
+  CPU, the kernel is built) and reads that layout (its AVX-512 VNNI build:
+  cpu_kernels.int8_blocked). quantize_kernel blocks them then, and int8_matmul expects it."""
+  return jax.default_backend() == "cpu" and cpu_kernels.int8_blocked()
+
+
+BLOCK = 16     # weight rows per block of the blocked int8 layout (cpu_kernels.cc)
+
+
+def block_int8(kernel: jax.Array) -> jax.Array:
+  """An int8 kernel [..., N, K] ([out, in]) -> the same entries in cpu_kernels.cc's blocked
+  layout, the same shape: per block of 16 rows, [K // 4, 16, 4] (each row's entries four at a
+  time, the 16 rows side by side) then [16, K % 4]; the last N % 16 rows as they are. The
+  kernel reads 16 rows' next four entries with one load and needs no sum across a row."""
+  *lead, n, k = kernel.shape
+  full, k4 = n // BLOCK * BLOCK, k // 4 * 4
+  head = kernel[..., :full, :].reshape(*lead, n // BLOCK, BLOCK, k)
+  quads = head[..., :k4].reshape(*lead, n // BLOCK, BLOCK, k4 // 4, 4)
+  quads = jnp.swapaxes(quads, -3, -2).reshape(*lead, n // BLOCK, BLOCK * k4)
+  rest = head[..., k4:].reshape(*lead, n // BLOCK, BLOCK * (k - k4))
+  blocks = jnp.concatenate([quads, rest], axis=-1).reshape(*lead, full, k)
+  return jnp.concatenate([blocks, kernel[..., full:, :]], axis=-2)
+
+
+def unblock_int8(blocked: jax.Array) -> jax.Array:
+  """block_int8's inverse: the blocked layout [..., N, K] -> the plain [out, in] kernel."""
+  *lead, n, k = blocked.shape
+  full, k4 = n // BLOCK * BLOCK, k // 4 * 4
+  flat = blocked[..., :full, :].reshape(*lead, n // BLOCK, BLOCK * k)
+  quads = flat[..., :BLOCK * k4].reshape(*lead, n // BLOCK, k4 // 4, BLOCK, 4)
+  quads = jnp.swapaxes(quads, -3, -2).reshape(*lead, n // BLOCK, BLOCK, k4)
+  rest = flat[..., BLOCK * k4:].reshape(*lead, n // BLOCK, BLOCK, k - k4)
+  rows = jnp.concatenate([quads, rest], axis=-1).reshape(*lead, full, k)
+  return jnp.concatenate([rows, blocked[..., full:, :]], axis=-2)
+
+
+def take_rows(kernel: jax.Array, ids) -> jax.Array:
+  """Rows `ids` of an [out, in] kernel as stored (a sub-vocabulary head cut from an output
+  layer): through the plain layout and back where int8 kernels are blocked (blocks_int8)."""
+  ids = jnp.asarray(ids)
+  if kernel.dtype != jnp.int8 or not blocks_int8():
+    return jnp.take(kernel, ids, axis=0)
+  return block_int8(jnp.take(unblock_int8(kernel), ids, axis=0))
+
+
 def _integer_product(q: jax.Array, kernel: jax.Array, transposed: bool) -> jax.Array:
-  """q [M, K] int8 times an int8 kernel ([K, N], or [N, K] when `transposed`) -> int32 [M, N]:
-  specjax's CPU kernel for an [out, in] kernel where it is built (models/cpu_kernels.py), else
-  XLA's product. The same integers either way."""
+  """q [M, K] int8 times an int8 kernel ([K, N], or [N, K] when `transposed`: in block_int8's
+  layout where blocks_int8()) -> int32 [M, N]: specjax's CPU kernel for an [out, in] kernel
+  where it is built (models/cpu_kernels.py), else XLA's product. The same integers either way."""
   if transposed and jax.default_backend() == "cpu" and cpu_kernels.status().active:
     return cpu_kernels.int8_dot(q, kernel)
   m = q.shape[0]
@@ -218,8 +268,8 @@ def quantize_kernel(kernel: jax.Array, transposed: bool = False,
                     quant: str = "int8") -> tuple[jax.Array, jax.Array]:
   """kernel [..., in, out] float ([..., out, in] when `transposed`) -> (quantized kernel, float32
   scale). int8: the kernel's shape in int8 and scale [..., out], symmetric, per output channel
-  (per layer too when stacked). int4 (`transposed` only): pack_int4's uint8 [..., out, in / 2]
-  and scale [..., out, in / GROUP]."""
+  (per layer too when stacked); [out, in] in block_int8's layout where blocks_int8(). int4
+  (`transposed` only): pack_int4's uint8 [..., out, in / 2] and scale [..., out, in / GROUP]."""
   if quant == "int4":
     if not transposed:
       raise ValueError("int4 layers are stored [out, in] (layout out_in)")
@@ -229,7 +279,7 @@ def quantize_kernel(kernel: jax.Array, transposed: bool = False,
   amax = jnp.max(jnp.abs(w), axis=axis)
   scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
   q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, axis)), -_QMAX, _QMAX).astype(jnp.int8)
-  return q, scale
+  return (block_int8(q) if transposed and blocks_int8() else q), scale
 
 
 def pack_int4(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:

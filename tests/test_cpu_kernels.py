@@ -39,8 +39,8 @@ def _operands(m, k, n, seed=0):
 
 
 def _stored(w):
-  """An [out, in] int8 kernel as this machine's int8 kernel reads it (quant.blocks_int8)."""
-  return quant.block_int8(jnp.asarray(w)) if quant.blocks_int8() else jnp.asarray(w)
+  """An [out, in] int8 kernel as this machine's int8 kernel reads it (quant.blocked_layout)."""
+  return quant.block_int8(jnp.asarray(w)) if quant.blocked_layout() else jnp.asarray(w)
 
 
 @needs_compiler
@@ -87,9 +87,11 @@ def test_each_instruction_set_path(tmp_path, monkeypatch, march, isa):
     packed, scale = quant.pack_int4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32))
     q = jnp.asarray(rng.integers(-127, 128, (m, k), dtype=np.int8))
     call = jax.ffi.ffi_call(f"{prefix}_int4_dot", jax.ShapeDtypeStruct((m, n), jnp.float32))
+    stored = quant.block_int4(packed, scale) if isa in cpu_kernels.BLOCKED_ISAS else (packed,
+                                                                                     scale)
     want = np.asarray(q, np.float64) @ np.asarray(quant.dequantize_int4(packed, scale),
                                                   np.float64).T
-    np.testing.assert_allclose(np.asarray(jax.jit(call)(q, packed, scale)), want, rtol=1e-5,
+    np.testing.assert_allclose(np.asarray(jax.jit(call)(q, *stored)), want, rtol=1e-5,
                                atol=1e-5 * np.abs(want).max())
 
 
@@ -105,7 +107,7 @@ def test_out_in_int8_layers_give_xla_s_bits(monkeypatch, rows):
   product = lambda w: jax.jit(lambda x: quant.int8_matmul(x, w, scale, transposed=True))(x)
   ours = product(_stored(kernel))
   monkeypatch.setattr(cpu_kernels, "status", lambda: cpu_kernels.Status(False, "test"))
-  assert not quant.blocks_int8()
+  assert not quant.blocked_layout()
   xla = product(kernel)
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(xla))
 
@@ -140,10 +142,10 @@ def test_only_the_vnni_build_reads_blocked_weights(monkeypatch, isa, blocked):
   so (its avx512-vnni build), and plain elsewhere (other builds, XLA's product)."""
   w = jnp.asarray(np.random.default_rng(4).standard_normal((32, 8)), jnp.float32)
   monkeypatch.setattr(cpu_kernels, "status", lambda: cpu_kernels.Status(False, "test"))
-  assert not quant.blocks_int8()
+  assert not quant.blocked_layout()
   plain = np.asarray(quant.quantize_kernel.__wrapped__(w, True)[0])
   monkeypatch.setattr(cpu_kernels, "status", lambda: cpu_kernels.Status(True, "built", isa))
-  assert quant.blocks_int8() is blocked
+  assert quant.blocked_layout() is blocked
   got = np.asarray(quant.quantize_kernel.__wrapped__(w, True)[0])
   np.testing.assert_array_equal(got, np.asarray(quant.block_int8(plain)) if blocked else plain)
 

@@ -58,13 +58,18 @@ def test_packing_rounds_each_group_as_q4_0_and_lays_out_nibbles():
     quant.pack_int4(jnp.ones((4, 96)))
 
 
+def _stored(packed, scale):
+  """pack_int4's layer as this machine's kernel reads it (quant.blocked_layout)."""
+  return quant.block_int4(packed, scale) if quant.blocked_layout() else (packed, scale)
+
+
 @needs_kernel
 @pytest.mark.parametrize("m, k, n", SHAPES)
 def test_the_kernel_is_the_exact_w4a8_product(m, k, n):
   rng = np.random.default_rng(m * 1000 + k + n)
   packed, scale = quant.pack_int4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32))
   x = rng.standard_normal((m, k)).astype(np.float32)
-  got = jax.jit(lambda x: quant.int4_matmul(x, packed, scale))(jnp.asarray(x))
+  got = jax.jit(lambda x: quant.int4_matmul(x, *_stored(packed, scale)))(jnp.asarray(x))
   assert got.shape == (m, n) and got.dtype == jnp.float32
   want = _reference(x, packed, scale)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -77,7 +82,8 @@ def test_a_row_is_the_same_bits_in_a_product_of_any_width(m, k, n):
   the bits of that row alone (each group's sum is exact, the groups add in one fixed order),
   also in a prompt's product (M > 8: weight tiles, 5 rows side by side, an odd group last)."""
   rng = np.random.default_rng(m)
-  packed, scale = quant.pack_int4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32))
+  packed, scale = _stored(*quant.pack_int4(jnp.asarray(rng.standard_normal((n, k)),
+                                                        jnp.float32)))
   q = jnp.asarray(rng.integers(-127, 128, (m, k), dtype=np.int8))
   dot = jax.jit(cpu_kernels.int4_dot)
   wide = np.asarray(dot(q, packed, scale))
@@ -88,7 +94,8 @@ def test_a_row_is_the_same_bits_in_a_product_of_any_width(m, k, n):
 @needs_kernel
 def test_the_kernel_under_vmap_and_in_a_loop():
   rng = np.random.default_rng(2)
-  packed, scale = quant.pack_int4(jnp.asarray(rng.standard_normal((40, 192)), jnp.float32))
+  packed, scale = _stored(*quant.pack_int4(jnp.asarray(rng.standard_normal((40, 192)),
+                                                        jnp.float32)))
   q = jnp.asarray(rng.integers(-127, 128, (3, 2, 192), dtype=np.int8))
   mapped = jax.jit(jax.vmap(cpu_kernels.int4_dot, in_axes=(0, None, None)))(q, packed, scale)
   for i in range(3):

@@ -285,7 +285,7 @@ def test_int8_kernels_stored_out_in_give_the_in_out_bits(tmp_path, family, scan)
   model, params = _int8_model(family, scan)
   out_in = dense_layout.with_layout(model, "out_in")
   # [out, in], in the CPU kernel's blocked layout where it runs (quant.block_int8)
-  stored = quant.block_int8 if quant.blocks_int8() else (lambda x: x)
+  stored = quant.block_int8 if quant.blocked_layout() else (lambda x: x)
   flip = lambda p, x: stored(x.T) if dense_layout.transposes(
       tuple(getattr(k, "key", k) for k in p), "out_in", "int8") and x.ndim >= 2 else x
   if scan:

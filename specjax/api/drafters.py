@@ -107,7 +107,7 @@ def _cut_head(params, subset: SubVocab, quant: str, tied: bool, layout: str) -> 
     kernel = head["kernel"]
     return {"kernel": (quant_lib.take_rows(kernel, subset.ids) if out_in
                        else subset.head_columns(kernel)),
-            "scale": jnp.take(head["scale"], jnp.asarray(subset.ids), axis=0)}
+            "scale": quant_lib.take_rows(head["scale"], subset.ids)}
   if tied:
     return {"kernel": subset.head_rows(params["token_embed"]["embedding"])}
   return {"kernel": subset.head_columns(head["kernel"])}

@@ -382,7 +382,7 @@ def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "",
   if os.environ.get("SPECJAX_PARAM_CACHE", "1") == "0" or root.resolve() not in path.parents:
     return None
   files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".json"))
-  quant_key = ({"quant": quant, "qv": QUANT_VERSION, "blocked": quant_lib.blocks_int8()}
+  quant_key = ({"quant": quant, "qv": QUANT_VERSION, "blocked": quant_lib.blocked_layout()}
                if quant else {})                                         # float keys as before
   if layout not in (None, dense_layout.IN_OUT):
     quant_key["layout"] = layout

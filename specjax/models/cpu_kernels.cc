@@ -307,38 +307,147 @@ void Columns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, i
 
 constexpr int64_t kGroup = 64;  // int4 values per scale, along K
 
-// The activations of an int4 product as its inner loop reads them, K padded to whole 128-value
-// blocks with zeros. The weights are unsigned (w + 8) and the activations signed, so a lane's
-// sum carries 8 x the sum of the activations it multiplied: `shift` holds -8 x that sum per
-// lane, the accumulator's starting value. avx512-vnni reads two groups per 512-bit vector: the
-// low nibbles of 64 bytes are the first halves of groups 2b and 2b + 1, the high nibbles their
-// second halves, so `lo` / `hi` hold the matching activations side by side: lo = [a[128 b ..
-// +32), a[128 b + 64 .. +32)], hi = [a[128 b + 32 .. +32), a[128 b + 96 .. +32)]; lane l < 8
-// of block b covers a[128 b + 4 l .. +4) and a[128 b + 32 + 4 l .. +4), lane 8 + l the same
-// of group 2b + 1. avx2 reads one group per 256-bit vector with the same lanes, from `raw`.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// int4 weights in the blocked layout of int8 (quant.block_int4): the packed bytes [N, K / 2]
+// blocked like int8 weights, four bytes a row at a time, so a block's 64-byte vector q holds 16
+// rows' bytes 4q .. 4q + 3: in group g = q / 8, j = q % 8, their low nibbles are the weights
+// 64 g + 4 j .. + 3 and their high nibbles 64 g + 32 + 4 j .. + 3; the scales [N, K / 64]
+// blocked one entry at a time, [K / 64, 16] a block. The weights are unsigned (w + 8), so a
+// group's sum starts from -8 x the activations' sum over the group (`shift`); it is exact in
+// int32, converted to float32 and added times its 16 scales, group after group, in one order
+// whatever the row count, so a row's result is the same bits in a product of any width.
+struct Int4Activations {
+  const int8_t* raw;             // [M, K]
+  std::vector<int32_t> quads;    // [ceil(M / 8), K / 4, 8]: as int8's Activations::quads
+  std::vector<int32_t> shift;    // [M, K / 64]: -8 x each group's sum
+};
+
+Int4Activations Int4Prepare(const int8_t* a, int64_t M, int64_t K) {
+  const int64_t quads = K / 4, groups = K / kGroup;
+  Int4Activations act{a, {}, {}};
+  act.quads.assign((M + kMaxRows - 1) / kMaxRows * quads * kMaxRows, 0);
+  act.shift.assign(M * groups, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t* row = act.quads.data() + (m / kMaxRows * quads) * kMaxRows + m % kMaxRows;
+    for (int64_t q = 0; q < quads; ++q) std::memcpy(row + q * kMaxRows, a + m * K + 4 * q, 4);
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kGroup; ++k) sum += a[m * K + g * kGroup + k];
+      act.shift[m * groups + g] = -8 * sum;
+    }
+  }
+  return act;
+}
+
+// Rows m0 .. m0 + MB - 1 (m0 a multiple of kMaxRows) times the block of weight rows n .. n + 15.
+// The low and high nibbles keep their own sums (two chains per row, so that one row is not
+// bound by the multiply-add's latency), added at the group's end.
+template <int MB>
+void Int4BlockRows(const Int4Activations& act, int64_t m0, const uint8_t* w, const float* s,
+                   float* out, int64_t N, int64_t K, int64_t n) {
+  const int64_t groups = K / kGroup, quads = K / 4;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const uint8_t* block = w + n * (K / 2);
+  const float* scales = s + n * groups;
+  const int32_t* aq = act.quads.data() + m0 * quads;
+  __m512 acc[MB];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i lo[MB], hi[MB];
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+      lo[m] = _mm512_set1_epi32(act.shift[(m0 + m) * groups + g]);
+      hi[m] = _mm512_setzero_si512();
+    }
+    for (int64_t j = 0; j < 8; ++j) {
+      const __m512i v = _mm512_loadu_si512(block + (8 * g + j) * 64);
+      const __m512i wl = _mm512_and_si512(v, low);
+      const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const int32_t* al = aq + (16 * g + j) * kMaxRows;       // entries 64 g + 4 j .. + 3
+      const int32_t* ah = al + 8 * kMaxRows;                 // entries 64 g + 32 + 4 j .. + 3
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        lo[m] = Dpbusd(lo[m], wl, _mm512_set1_epi32(al[m]));
+        hi[m] = Dpbusd(hi[m], wh, _mm512_set1_epi32(ah[m]));
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + g * kBlock);
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[m], hi[m])), scale, acc[m]);
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + (m0 + m) * N + n, acc[m]);
+}
+
+// One weight row after the last block (stored as it is), every activation row: the same
+// arithmetic as a block's lane (the exact group sums, then float32 fused multiply-adds in group
+// order), so that its result is the bits a block would give.
+void Int4Row(const Int4Activations& act, int64_t M, const uint8_t* w, const float* s,
+             float* out, int64_t N, int64_t K, int64_t n) {
+  const int64_t groups = K / kGroup;
+  for (int64_t m = 0; m < M; ++m) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t j = 0; j < 32; ++j) {
+        const uint8_t byte = w[n * (K / 2) + g * 32 + j];
+        sum += act.raw[m * K + g * kGroup + j] * ((byte & 15) - 8) +
+               act.raw[m * K + g * kGroup + 32 + j] * ((byte >> 4) - 8);
+      }
+      acc = std::fma(float(sum), s[n * groups + g], acc);
+    }
+    out[m * N + n] = acc;
+  }
+}
+
+// out[:, 16 b0 : 16 b1] (the rows after the last block where b1 passes the blocks): as the
+// int8 Columns, tiles of blocks in L2 for a prompt's rows.
+void Int4Columns(const Int4Activations& act, int64_t M, const uint8_t* w, const float* s,
+                 float* out, int64_t N, int64_t K, int64_t b0, int64_t b1) {
+  const int64_t blocks = N / kBlock;
+  const int64_t tile = M > kMaxRows ? std::max<int64_t>(1, kTileBytes / (kBlock * K / 2))
+                                    : b1 - b0;
+  for (int64_t t0 = b0; t0 < std::min(b1, blocks); t0 += tile) {
+    const int64_t t1 = std::min({b1, blocks, t0 + tile});
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+      for (int64_t b = t0; b < t1; ++b) {
+        switch (std::min<int64_t>(kMaxRows, M - m0)) {
+#define SPECJAX_ROWS(R) \
+  case R:               \
+    Int4BlockRows<R>(act, m0, w, s, out, N, K, b * kBlock); \
+    break;
+          SPECJAX_ROWS(1) SPECJAX_ROWS(2) SPECJAX_ROWS(3) SPECJAX_ROWS(4)
+          SPECJAX_ROWS(5) SPECJAX_ROWS(6) SPECJAX_ROWS(7) SPECJAX_ROWS(8)
+#undef SPECJAX_ROWS
+        }
+      }
+  }
+  if (b1 > blocks)
+    for (int64_t n = blocks * kBlock; n < N; ++n) Int4Row(act, M, w, s, out, N, K, n);
+}
+#else
+// The activations of an int4 product as its inner loop reads them (the plain layout): the
+// weights are unsigned (w + 8) and the activations signed, so a lane's sum carries 8 x the sum
+// of the activations it multiplied: `shift` holds -8 x that sum per lane, the accumulator's
+// starting value; lane l < 8 of block b covers a[128 b + 4 l .. +4) and a[128 b + 32 + 4 l ..
+// +4), lane 8 + l the same of group 2b + 1. avx2 reads one group per 256-bit vector with those
+// lanes, from `raw`.
 struct Int4Activations {
   const int8_t* raw;             // [M, K]
   int64_t blocks;                // ceil(K / 128)
-  std::vector<int8_t> lo, hi;    // [M, blocks * 64]
   std::vector<int32_t> shift;    // [M, blocks * 16]
 };
 
 Int4Activations Int4Prepare(const int8_t* a, int64_t M, int64_t K) {
-  Int4Activations act{a, (K + 127) / 128, {}, {}, {}};
+  Int4Activations act{a, (K + 127) / 128, {}};
   const int64_t B = act.blocks;
   act.shift.assign(M * B * 16, 0);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  act.lo.assign(M * B * 64, 0), act.hi.assign(M * B * 64, 0);
-#endif
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; k += kGroup) {      // group g = k / 64: block g / 2, half g % 2
       const int8_t* x = a + m * K + k;
-      const int64_t at = (m * B + k / 128) * 64 + (k / kGroup % 2) * 32;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      std::copy(x, x + 32, act.lo.data() + at);
-      std::copy(x + 32, x + 64, act.hi.data() + at);
-#endif
-      int32_t* shift = act.shift.data() + at / 4;
+      int32_t* shift = act.shift.data() + ((m * B + k / 128) * 64 + (k / kGroup % 2) * 32) / 4;
       for (int l = 0; l < 8; ++l)
         shift[l] = -8 * (x[4 * l] + x[4 * l + 1] + x[4 * l + 2] + x[4 * l + 3] +
                          x[32 + 4 * l] + x[33 + 4 * l] + x[34 + 4 * l] + x[35 + 4 * l]);
@@ -346,100 +455,7 @@ Int4Activations Int4Prepare(const int8_t* a, int64_t M, int64_t K) {
   return act;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Block b (groups 2b and 2b + 1) of one weight row: its low and high nibbles, and the two
-// groups' scales (lanes 0-7 the first, 8-15 the second).
-struct Int4Block {
-  __m512i lo, hi;
-  __m512 scale;
-};
-
-inline Int4Block LoadInt4Block(const uint8_t* wr, const float* sr, int64_t b, int64_t whole) {
-  const __m512i low = _mm512_set1_epi8(0x0f);
-  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512i v;
-  __m512 scale;
-  if (b < whole) {
-    v = _mm512_loadu_si512(wr + b * 64);
-    scale = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_castpd_ps(
-                                            _mm_load_sd(reinterpret_cast<const double*>(sr + 2 * b)))));
-  } else {   // a last group alone: the second half of the vector is zero
-    v = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * 64)));
-    scale = _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(sr[2 * b]));
-  }
-  return {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low), scale};
-}
-
-// MB activation rows times weight rows n0 .. n1 (a multiple of G of them), G weight rows side by
-// side. Each (row, weight row) pair runs the same arithmetic in the same order whatever MB and G,
-// so a row's result is the same bits in a product of any width. Decoding steps take G = 1: rows
-// read side by side stream from memory at about half the rate on the machines measured (AMD
-// EPYC, AVX-512), where the product is memory-bound at a draft's widths. A prompt's product
-// reads its weights from L2 (Int4PromptColumns) and is bound by these instructions instead.
-template <int MB, int G>
-void Int4RowGroups(const Int4Activations& act, int64_t m0, const uint8_t* w, const float* s,
-                   float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t whole = K / 128, groups = K / kGroup, B = act.blocks;
-  for (int64_t n = n0; n < n1; n += G) {
-    __m512 acc[G][MB];
-#pragma GCC unroll 16
-    for (int g = 0; g < G; ++g)
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < B; ++b) {
-      Int4Block wb[G];
-#pragma GCC unroll 16
-      for (int g = 0; g < G; ++g)
-        wb[g] = LoadInt4Block(w + (n + g) * (K / 2), s + (n + g) * groups, b, whole);
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) {
-        const int64_t at = (m0 + m) * B + b;
-        const __m512i shift = _mm512_loadu_si512(act.shift.data() + at * 16);
-        const __m512i lo = _mm512_loadu_si512(act.lo.data() + at * 64);
-        const __m512i hi = _mm512_loadu_si512(act.hi.data() + at * 64);
-#pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) {
-          const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(shift, wb[g].lo, lo),
-                                                wb[g].hi, hi);
-          acc[g][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), wb[g].scale, acc[g][m]);
-        }
-      }
-    }
-    // (constant indices only: one computed index would keep every accumulator in memory)
-#pragma GCC unroll 16
-    for (int g = 0; g < G; ++g)
-#pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n + g] = _mm512_reduce_add_ps(acc[g][m]);
-  }
-}
-
-template <int MB>
-void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const float* s,
-              float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  Int4RowGroups<MB, 1>(act, m0, w, s, out, N, K, n0, n1);
-}
-
-// A prompt's int4 product, out[:, n0:n1]: tiles of weight rows that stay in L2 while every pair
-// of activation rows passes over them, 5 weight rows side by side (2 x 5 accumulators and the 5
-// rows' unpacked nibbles fill the registers; the fastest of the shapes measured).
-void Int4PromptColumns(const Int4Activations& act, int64_t M, const uint8_t* w, const float* s,
-                       float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int MB = 2, G = 5;
-  const int64_t tile = std::max<int64_t>(G, kTileBytes / (K / 2) / G * G);
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t t1 = std::min(n1, t0 + tile), whole = t0 + (t1 - t0) / G * G;
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-      if (m0 + MB <= M) {
-        Int4RowGroups<MB, G>(act, m0, w, s, out, N, K, t0, whole);
-        Int4RowGroups<MB, 1>(act, m0, w, s, out, N, K, whole, t1);
-      } else {
-        Int4RowGroups<1, G>(act, m0, w, s, out, N, K, t0, whole);
-        Int4RowGroups<1, 1>(act, m0, w, s, out, N, K, whole, t1);
-      }
-    }
-  }
-}
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
 template <int MB>
 void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const float* s,
               float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
@@ -498,9 +514,6 @@ void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const fl
 
 void Int4Columns(const Int4Activations& act, int64_t M, const uint8_t* w, const float* s,
                  float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (M > kMaxRows) return Int4PromptColumns(act, M, w, s, out, N, K, n0, n1);
-#endif
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     switch (std::min<int64_t>(kMaxRows, M - m0)) {
 #define SPECJAX_ROWS(R) \
@@ -513,6 +526,7 @@ void Int4Columns(const Int4Activations& act, int64_t M, const uint8_t* w, const 
     }
   }
 }
+#endif
 
 // ---- attention, one query position at a time -----------------------------------------------
 
@@ -611,9 +625,9 @@ void Parallel(ffi::ThreadPool& pool, int64_t N, std::function<void(int64_t, int6
   work->columns = std::move(columns);
   work->N = N;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // about four chunks per thread, each a multiple of 4 and at least `least` rows (so tiny
-  // products stay on one thread)
-  work->chunk = std::max<int64_t>(least, ((N + 4 * threads - 1) / (4 * threads) + 3) / 4 * 4);
+  // about four chunks per thread, each at least `least` units (so tiny products stay on one
+  // thread); no coarser, or the last chunks of a product of few blocks load one thread more
+  work->chunk = std::max<int64_t>(least, (N + 4 * threads - 1) / (4 * threads));
   work->chunks = (N + work->chunk - 1) / work->chunk;
   for (int64_t t = 1; t < std::min(threads, work->chunks); ++t)
     pool.Schedule([work] { work->Run(); });
@@ -666,9 +680,9 @@ ffi::Error Int4DotImpl(ffi::ThreadPool pool, Int8Matrix a, PackedInt4Matrix w, F
   const uint8_t* wd = w.typed_data();
   const float* sd = s.typed_data();
   float* od = out->typed_data();
-  Parallel(pool, N, [act, M, wd, sd, od, N, K](int64_t n0, int64_t n1) {
-    Int4Columns(*act, M, wd, sd, od, N, K, n0, n1);
-  });
+  Parallel(pool, (N + kUnit - 1) / kUnit, [act, M, wd, sd, od, N, K](int64_t u0, int64_t u1) {
+    Int4Columns(*act, M, wd, sd, od, N, K, u0, u1);
+  }, kLeastUnits);
   return ffi::Error::Success();
 }
 

@@ -7,9 +7,10 @@ one. XLA:CPU's s8 x s8 -> s32 product reads int8 weights at about 10-13 GB/s on 
 machine, where its float32 product streams 33-43 GB/s, and it has a slow path for a one-row
 product. `cpu_kernels.cc` streams the weights once and multiplies every activation row by them
 (AVX-512 VNNI, AVX2, or plain C++, as the compiler's -march=native finds the CPU), splitting
-the rows over XLA's intra-op threads; int8 weights are read in a blocked layout
-(quant.block_int8) that gives 16 rows' sums per multiply-add. Its int8 sums are the same int32 numbers XLA's product
-gives (exact integer arithmetic), so a model's outputs are the same bits with either kernel.
+the rows over XLA's intra-op threads; its AVX-512 VNNI build reads int8 and int4 weights in a
+blocked layout (quant.block_int8, block_int4) that gives 16 rows' sums per multiply-add. Its
+int8 sums are the same int32 numbers XLA's product gives (exact integer arithmetic), so a
+model's outputs are the same bits with either kernel.
 XLA has no int4 product on the CPU at all: without this kernel int4 layers are dequantized to
 float32 inside every step (quant.int4_matmul), correct and several times slower. A quantized
 model attends one query position at a time so that a verify pass gives each position a decoding
@@ -69,20 +70,21 @@ class Status:
     return f"XLA's product ({self.why})"
 
 
-# The builds that read int8 weights in quant.block_int8's layout (cpu_kernels.cc); the others
-# read the plain [N, K] matrix.
+# The builds that read int8 and int4 weights in quant.block_int8's and block_int4's layout
+# (cpu_kernels.cc); the others read the plain [N, K] matrices.
 BLOCKED_ISAS = ("avx512-vnni",)
 
 
-def int8_blocked() -> bool:
-  """Whether this process's int8 kernel reads [out, in] weights in quant.block_int8's layout:
-  the kernels are in use and built for an instruction set of BLOCKED_ISAS."""
+def reads_blocked() -> bool:
+  """Whether this process's kernels read [out, in] int8 and int4 weights in the blocked layout
+  (quant.block_int8, block_int4): they are in use and built for an instruction set of
+  BLOCKED_ISAS."""
   return status().active and status().isa in BLOCKED_ISAS
 
 
 def int8_dot(q: jax.Array, kernel: jax.Array) -> jax.Array:
   """q [M, K] int8 times kernel [N, K] int8 (an [out, in] int8 layer; in quant.block_int8's
-  layout where int8_blocked()) -> int32 [M, N], on specjax's kernel (where status().active).
+  layout where reads_blocked()) -> int32 [M, N], on specjax's kernel (where status().active).
   vmap runs it once per mapped element."""
   return _call("int8_dot", jax.ShapeDtypeStruct((q.shape[0], kernel.shape[0]), jnp.int32))(
       q, kernel)
@@ -90,7 +92,8 @@ def int8_dot(q: jax.Array, kernel: jax.Array) -> jax.Array:
 
 def int4_dot(q: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
   """q [M, K] int8 times an int4 layer (packed uint8 [N, K / 2], scale float32 [N, K / 64]; the
-  packing is quant.pack_int4's) -> float32 [M, N]: sum over groups g of scale[n, g] x the exact
+  packing is quant.pack_int4's, in quant.block_int4's layout where reads_blocked()) -> float32
+  [M, N]: sum over groups g of scale[n, g] x the exact
   integer sum of the group, on specjax's kernel (where status().active). K a multiple of 64."""
   return _call("int4_dot", jax.ShapeDtypeStruct((q.shape[0], packed.shape[0]), jnp.float32))(
       q, packed, scale)

@@ -199,15 +199,42 @@ def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.round(rows / row_scale).astype(jnp.int8), row_scale
 
 
-def blocks_int8() -> bool:
-  """Whether int8 kernels stored [out, in] are kept in specjax's CPU kernel's blocked layout in
-  this process (block_int8): where that kernel multiplies them (jax's default backend is the
-  CPU, the kernel is built) and reads that layout (its AVX-512 VNNI build:
-  cpu_kernels.int8_blocked). quantize_kernel blocks them then, and int8_matmul expects it."""
-  return jax.default_backend() == "cpu" and cpu_kernels.int8_blocked()
+def blocked_layout() -> bool:
+  """Whether [out, in] int8 kernels and int4 layers are kept in specjax's CPU kernel's blocked
+  layout in this process (block_int8, block_int4): where that kernel multiplies them (jax's
+  default backend is the CPU, the kernel is built) and reads that layout (its AVX-512 VNNI
+  build: cpu_kernels.reads_blocked). quantize_kernel blocks them then, and the products expect
+  it."""
+  return jax.default_backend() == "cpu" and cpu_kernels.reads_blocked()
 
 
-BLOCK = 16     # weight rows per block of the blocked int8 layout (cpu_kernels.cc)
+BLOCK = 16     # weight rows per block of the blocked layout (cpu_kernels.cc)
+
+
+def _block(x: jax.Array, width: int) -> jax.Array:
+  """x [..., N, C] -> the same shape, its entries reordered in blocks of 16 rows: per block,
+  [C // width, 16, width] (each row's entries `width` at a time, the 16 rows side by side)
+  then [16, C % width]; the last N % 16 rows as they are."""
+  *lead, n, c = x.shape
+  full, cw = n // BLOCK * BLOCK, c // width * width
+  head = x[..., :full, :].reshape(*lead, n // BLOCK, BLOCK, c)
+  chunks = head[..., :cw].reshape(*lead, n // BLOCK, BLOCK, cw // width, width)
+  chunks = jnp.swapaxes(chunks, -3, -2).reshape(*lead, n // BLOCK, BLOCK * cw)
+  rest = head[..., cw:].reshape(*lead, n // BLOCK, BLOCK * (c - cw))
+  blocks = jnp.concatenate([chunks, rest], axis=-1).reshape(*lead, full, c)
+  return jnp.concatenate([blocks, x[..., full:, :]], axis=-2)
+
+
+def _unblock(x: jax.Array, width: int) -> jax.Array:
+  """_block's inverse."""
+  *lead, n, c = x.shape
+  full, cw = n // BLOCK * BLOCK, c // width * width
+  flat = x[..., :full, :].reshape(*lead, n // BLOCK, BLOCK * c)
+  chunks = flat[..., :BLOCK * cw].reshape(*lead, n // BLOCK, cw // width, BLOCK, width)
+  chunks = jnp.swapaxes(chunks, -3, -2).reshape(*lead, n // BLOCK, BLOCK, cw)
+  rest = flat[..., BLOCK * cw:].reshape(*lead, n // BLOCK, BLOCK, c - cw)
+  rows = jnp.concatenate([chunks, rest], axis=-1).reshape(*lead, full, c)
+  return jnp.concatenate([rows, x[..., full:, :]], axis=-2)
 
 
 def block_int8(kernel: jax.Array) -> jax.Array:
@@ -215,40 +242,41 @@ def block_int8(kernel: jax.Array) -> jax.Array:
   layout, the same shape: per block of 16 rows, [K // 4, 16, 4] (each row's entries four at a
   time, the 16 rows side by side) then [16, K % 4]; the last N % 16 rows as they are. The
   kernel reads 16 rows' next four entries with one load and needs no sum across a row."""
-  *lead, n, k = kernel.shape
-  full, k4 = n // BLOCK * BLOCK, k // 4 * 4
-  head = kernel[..., :full, :].reshape(*lead, n // BLOCK, BLOCK, k)
-  quads = head[..., :k4].reshape(*lead, n // BLOCK, BLOCK, k4 // 4, 4)
-  quads = jnp.swapaxes(quads, -3, -2).reshape(*lead, n // BLOCK, BLOCK * k4)
-  rest = head[..., k4:].reshape(*lead, n // BLOCK, BLOCK * (k - k4))
-  blocks = jnp.concatenate([quads, rest], axis=-1).reshape(*lead, full, k)
-  return jnp.concatenate([blocks, kernel[..., full:, :]], axis=-2)
+  return _block(kernel, 4)
 
 
 def unblock_int8(blocked: jax.Array) -> jax.Array:
   """block_int8's inverse: the blocked layout [..., N, K] -> the plain [out, in] kernel."""
-  *lead, n, k = blocked.shape
-  full, k4 = n // BLOCK * BLOCK, k // 4 * 4
-  flat = blocked[..., :full, :].reshape(*lead, n // BLOCK, BLOCK * k)
-  quads = flat[..., :BLOCK * k4].reshape(*lead, n // BLOCK, k4 // 4, BLOCK, 4)
-  quads = jnp.swapaxes(quads, -3, -2).reshape(*lead, n // BLOCK, BLOCK, k4)
-  rest = flat[..., BLOCK * k4:].reshape(*lead, n // BLOCK, BLOCK, k - k4)
-  rows = jnp.concatenate([quads, rest], axis=-1).reshape(*lead, full, k)
-  return jnp.concatenate([rows, blocked[..., full:, :]], axis=-2)
+  return _unblock(blocked, 4)
 
 
-def take_rows(kernel: jax.Array, ids) -> jax.Array:
-  """Rows `ids` of an [out, in] kernel as stored (a sub-vocabulary head cut from an output
-  layer): through the plain layout and back where int8 kernels are blocked (blocks_int8)."""
+def block_int4(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """pack_int4's (packed [..., N, K / 2], scale [..., N, K / GROUP]) -> the same in
+  cpu_kernels.cc's blocked layout: the packed bytes blocked as int8 weights are (four bytes of
+  16 rows to a 64-byte vector: 8 weights of each row, a group's low and high halves), the
+  scales one at a time ([K / GROUP, 16] a block)."""
+  return _block(packed, 4), _block(scale, 1)
+
+
+def unblock_int4(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """block_int4's inverse."""
+  return _unblock(packed, 4), _unblock(scale, 1)
+
+
+def take_rows(leaf: jax.Array, ids) -> jax.Array:
+  """Rows `ids` of an [out, in] leaf as stored (a sub-vocabulary head cut from an output layer:
+  an int8 kernel, an int4 layer's packed kernel or scales, or a float leaf): through the plain
+  layout and back where they are blocked (blocked_layout)."""
   ids = jnp.asarray(ids)
-  if kernel.dtype != jnp.int8 or not blocks_int8():
-    return jnp.take(kernel, ids, axis=0)
-  return block_int8(jnp.take(unblock_int8(kernel), ids, axis=0))
+  if leaf.ndim != 2 or not blocked_layout():
+    return jnp.take(leaf, ids, axis=0)
+  width = 4 if leaf.dtype in (jnp.int8, jnp.uint8) else 1
+  return _block(jnp.take(_unblock(leaf, width), ids, axis=0), width)
 
 
 def _integer_product(q: jax.Array, kernel: jax.Array, transposed: bool) -> jax.Array:
   """q [M, K] int8 times an int8 kernel ([K, N], or [N, K] when `transposed`: in block_int8's
-  layout where blocks_int8()) -> int32 [M, N]: specjax's CPU kernel for an [out, in] kernel
+  layout where blocked_layout()) -> int32 [M, N]: specjax's CPU kernel for an [out, in] kernel
   where it is built (models/cpu_kernels.py), else XLA's product. The same integers either way."""
   if transposed and jax.default_backend() == "cpu" and cpu_kernels.status().active:
     return cpu_kernels.int8_dot(q, kernel)
@@ -268,18 +296,18 @@ def quantize_kernel(kernel: jax.Array, transposed: bool = False,
                     quant: str = "int8") -> tuple[jax.Array, jax.Array]:
   """kernel [..., in, out] float ([..., out, in] when `transposed`) -> (quantized kernel, float32
   scale). int8: the kernel's shape in int8 and scale [..., out], symmetric, per output channel
-  (per layer too when stacked); [out, in] in block_int8's layout where blocks_int8(). int4
+  (per layer too when stacked); [out, in] in block_int8's layout where blocked_layout(). int4
   (`transposed` only): pack_int4's uint8 [..., out, in / 2] and scale [..., out, in / GROUP]."""
   if quant == "int4":
     if not transposed:
       raise ValueError("int4 layers are stored [out, in] (layout out_in)")
-    return pack_int4(kernel)
+    return block_int4(*pack_int4(kernel)) if blocked_layout() else pack_int4(kernel)
   w = kernel.astype(jnp.float32)
   axis = -1 if transposed else -2                                  # the input axis
   amax = jnp.max(jnp.abs(w), axis=axis)
   scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
   q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, axis)), -_QMAX, _QMAX).astype(jnp.int8)
-  return (block_int8(q) if transposed and blocks_int8() else q), scale
+  return (block_int8(q) if transposed and blocked_layout() else q), scale
 
 
 def pack_int4(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -12,7 +12,6 @@ import pathlib
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import checkpoint

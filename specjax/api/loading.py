@@ -368,8 +368,10 @@ def _quantized(model, quant: str, role: str):
 
 
 PARAM_CACHE_VERSION = 1
-QUANT_VERSION = 4        # int8 params: bump when quant.quantize_params changes (3: [V, D] heads,
-                         # 4: [out, in] int8 kernels blocked where specjax's CPU kernel runs)
+QUANT_VERSION = 5        # int8 params: bump when quant.quantize_params changes (3: [V, D] heads,
+                         # 4: [out, in] int8 kernels blocked where specjax's CPU kernel runs,
+                         # 5: int4 layers blocked too: a version-4 int4 draft read blocked
+                         # drafted nothing)
 
 
 def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "",

@@ -30,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -52,6 +53,22 @@ constexpr int kMaxRows = 8;  // activation rows multiplied per pass over the wei
 constexpr int64_t kBlock = 16;  // weight rows per block of the blocked int8 layout
 constexpr int64_t kL1Bytes = 16 << 10;  // activations up to this size are read from L1
 constexpr int64_t kTileBytes = 256 << 10;   // a prompt product's weight tile, in L2
+
+// f(std::integral_constant<int, R>()) for R = rows (1 .. kMaxRows): the kernels' row count is a
+// template argument, so that their accumulators stay in registers.
+template <class F>
+void WithRows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    case 8: f(std::integral_constant<int, 8>()); break;
+  }
+}
 
 // The blocked int8 layout (avx512-vnni builds; models/quant.block_int8 writes it, and other
 // builds read the plain [N, K] matrix): the N x K weights as N / 16
@@ -186,15 +203,7 @@ int BlocksAtOnce(int64_t rows, int64_t K, int64_t left) {
 // Rows m0 .. m0 + rows - 1 of out (rows <= kMaxRows) for `blocks` blocks from row n.
 void BlockAny(const Activations& act, int64_t m0, int64_t rows, const int8_t* w, int32_t* out,
               int64_t N, int64_t K, int64_t n, int blocks) {
-  switch (rows) {
-#define SPECJAX_ROWS(R) \
-  case R:               \
-    Block<R>(act, m0, w, out, N, K, n, blocks); \
-    break;
-    SPECJAX_ROWS(1) SPECJAX_ROWS(2) SPECJAX_ROWS(3) SPECJAX_ROWS(4)
-    SPECJAX_ROWS(5) SPECJAX_ROWS(6) SPECJAX_ROWS(7) SPECJAX_ROWS(8)
-#undef SPECJAX_ROWS
-  }
+  WithRows(rows, [&](auto r) { Block<decltype(r)::value>(act, m0, w, out, N, K, n, blocks); });
 }
 
 // out[:, 16 b0 : 16 b1] (the last N % 16 rows where b1 passes the blocks) for every activation
@@ -289,17 +298,10 @@ void WeightRows(const Activations& act, int64_t m0, const int8_t* w, int32_t* ou
 // out[:, n0:n1] for every activation row, kMaxRows rows per pass over the weights.
 void Columns(const Activations& act, int64_t M, const int8_t* w, int32_t* out, int64_t N,
              int64_t K, int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    switch (std::min<int64_t>(kMaxRows, M - m0)) {
-#define SPECJAX_ROWS(R) \
-  case R:               \
-    WeightRows<R>(act, m0, w, out, N, K, n0, n1); \
-    break;
-      SPECJAX_ROWS(1) SPECJAX_ROWS(2) SPECJAX_ROWS(3) SPECJAX_ROWS(4)
-      SPECJAX_ROWS(5) SPECJAX_ROWS(6) SPECJAX_ROWS(7) SPECJAX_ROWS(8)
-#undef SPECJAX_ROWS
-    }
-  }
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+    WithRows(std::min<int64_t>(kMaxRows, M - m0), [&](auto r) {
+      WeightRows<decltype(r)::value>(act, m0, w, out, N, K, n0, n1);
+    });
 }
 #endif
 
@@ -412,17 +414,10 @@ void Int4Columns(const Int4Activations& act, int64_t M, const uint8_t* w, const 
   for (int64_t t0 = b0; t0 < std::min(b1, blocks); t0 += tile) {
     const int64_t t1 = std::min({b1, blocks, t0 + tile});
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-      for (int64_t b = t0; b < t1; ++b) {
-        switch (std::min<int64_t>(kMaxRows, M - m0)) {
-#define SPECJAX_ROWS(R) \
-  case R:               \
-    Int4BlockRows<R>(act, m0, w, s, out, N, K, b * kBlock); \
-    break;
-          SPECJAX_ROWS(1) SPECJAX_ROWS(2) SPECJAX_ROWS(3) SPECJAX_ROWS(4)
-          SPECJAX_ROWS(5) SPECJAX_ROWS(6) SPECJAX_ROWS(7) SPECJAX_ROWS(8)
-#undef SPECJAX_ROWS
-        }
-      }
+      for (int64_t b = t0; b < t1; ++b)
+        WithRows(std::min<int64_t>(kMaxRows, M - m0), [&](auto r) {
+          Int4BlockRows<decltype(r)::value>(act, m0, w, s, out, N, K, b * kBlock);
+        });
   }
   if (b1 > blocks)
     for (int64_t n = blocks * kBlock; n < N; ++n) Int4Row(act, M, w, s, out, N, K, n);
@@ -514,17 +509,10 @@ void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const fl
 
 void Int4Columns(const Int4Activations& act, int64_t M, const uint8_t* w, const float* s,
                  float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    switch (std::min<int64_t>(kMaxRows, M - m0)) {
-#define SPECJAX_ROWS(R) \
-  case R:               \
-    Int4Rows<R>(act, m0, w, s, out, N, K, n0, n1); \
-    break;
-      SPECJAX_ROWS(1) SPECJAX_ROWS(2) SPECJAX_ROWS(3) SPECJAX_ROWS(4)
-      SPECJAX_ROWS(5) SPECJAX_ROWS(6) SPECJAX_ROWS(7) SPECJAX_ROWS(8)
-#undef SPECJAX_ROWS
-    }
-  }
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+    WithRows(std::min<int64_t>(kMaxRows, M - m0), [&](auto r) {
+      Int4Rows<decltype(r)::value>(act, m0, w, s, out, N, K, n0, n1);
+    });
 }
 #endif
 

@@ -170,7 +170,7 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=Non
 def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, precision=None,
                 w4a8: bool | None = None) -> jax.Array:
   """x [..., K] (float) times an int4 layer (packed uint8 [N, K / 2], scale [N, K / GROUP]:
-  pack_int4's) -> float32 [..., N]. W4A8 (w4a8 None: rounds_activations(), the CPU): each row
+  pack_int4's, in block_int4's layout where blocked_layout()) -> float32 [..., N]. W4A8 (w4a8 None: rounds_activations(), the CPU): each row
   of x quantized to int8 with its own absmax scale, each group's product summed exactly in int32
   and scaled, on specjax's CPU kernel (models/cpu_kernels.py). Elsewhere, and where that kernel
   is not built, the weights are dequantized inside the step and multiplied in float32 at
@@ -258,11 +258,6 @@ def block_int4(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Arra
   return _block(packed, 4), _block(scale, 1)
 
 
-def unblock_int4(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """block_int4's inverse."""
-  return _unblock(packed, 4), _unblock(scale, 1)
-
-
 def take_rows(leaf: jax.Array, ids) -> jax.Array:
   """Rows `ids` of an [out, in] leaf as stored (a sub-vocabulary head cut from an output layer:
   an int8 kernel, an int4 layer's packed kernel or scales, or a float leaf): through the plain
@@ -316,7 +311,7 @@ def pack_int4(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
   the entry of largest magnitude m gives the scale m / -8, so that it becomes -8 exactly, and
   the others round to the nearest of -8 .. 7. Group g's 64 values lie in 32 bytes: byte j holds
   w[64 g + j] + 8 in its low nibble and w[64 g + 32 + j] + 8 in its high one (the layout
-  cpu_kernels.cc reads)."""
+  cpu_kernels.cc's AVX2 and plain builds read; block_int4 reorders it for the VNNI build)."""
   *lead, out, width = kernel.shape
   if width % GROUP:
     raise ValueError(f"int4 weights need input widths that are multiples of {GROUP}; a kernel "

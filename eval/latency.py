@@ -10,7 +10,10 @@ runs per prompt: whole generations (ms/token, speedup) and the decode phase afte
 TTFT/TPOT), which is what the cost model describes: model_efficiency = decode_speedup /
 tau/(c*gamma+v). Also measured: the cost ratio c = draft step / target step, the verify cost ratio
 v = target pass over gamma+1 tokens / single-token target pass, and the predicted speedups
-tau/(c*gamma+1) (the paper's) and tau/(c*gamma+v) (the cost model with v).
+tau/(c*gamma+1) (the paper's) and tau/(c*gamma+v) (the cost model with v). With
+--config.decode.draft_confidence > 0 a block drafts gamma tokens at most: gamma in those
+formulas is then the measured draft passes per block (drafts_per_block) and v the widest verify
+pass's, so the prediction is a lower bound.
 
 The config's `mesh` section places both models on a data x model mesh (--config.mesh.model=8:
 tensor-parallel over 8 devices; a data axis > 1 pads the batch-1 runs to that many rows); the
@@ -156,18 +159,23 @@ def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: i
   per_token = lambda r: 1e3 * r["total_s"] / r["tokens"]
   # After the first token: what the cost model describes (prefill and the first token apart).
   decode = lambda r: 1e3 * (r["total_s"] - r["first_s"]) / max(r["tokens"] - len(prompts), 1)
-  model_predicted = tau / (c * gamma + v)
+  # Draft passes per block: gamma, or fewer where drafting ends early (decode.draft_confidence;
+  # v is then the widest verify pass's, an upper bound on the narrower ones).
+  drafts = (stats.get("draft_passes", 0) / max(stats.get("blocks", 1), 1)
+            if dec.settings.draft_confidence else gamma)
+  model_predicted = tau / (c * drafts + v)
   extra = {"profile": profiles(probes, steps, gamma)} if profile else {}
   return dict(
       rule=dec.label,
-      gamma=gamma, prompts=len(prompts), ar_tokens=ar["tokens"], sd_tokens=sd["tokens"],
+      gamma=gamma, draft_confidence=dec.settings.draft_confidence, prompts=len(prompts), ar_tokens=ar["tokens"], sd_tokens=sd["tokens"],
       ar_ms_per_token=per_token(ar), sd_ms_per_token=per_token(sd),
       speedup=per_token(ar) / per_token(sd),
       ar_first_token_ms=1e3 * ar["first_s"] / len(prompts),
       sd_first_token_ms=1e3 * sd["first_s"] / len(prompts),
       ar_decode_ms_per_token=decode(ar), sd_decode_ms_per_token=decode(sd),
       decode_speedup=decode(ar) / decode(sd),
-      predicted_speedup=tau / (c * gamma + 1), model_predicted_speedup=model_predicted,
+      drafts_per_block=drafts,
+      predicted_speedup=tau / (c * drafts + 1), model_predicted_speedup=model_predicted,
       model_efficiency=decode(ar) / decode(sd) / model_predicted,
       block_efficiency=tau, acceptance_rate=alpha, cost_ratio=c, verify_cost_ratio=v,
       target_step_ms=1e3 * t1, draft_step_ms=1e3 * d1,

@@ -157,6 +157,11 @@ BAD = [
     (dict(stream=5), r"stream=5: pass a function stream\(i, text\)"),
     (dict(max_new_token=5), "no argument 'max_new_token': did you mean 'max_new_tokens'"),
     (dict(mesh="2x2"), "pass a jax.sharding.Mesh"),
+    (dict(draft_confidence=1.5), r"draft_confidence=1.5: use a probability in \(0, 1\]"),
+    (dict(draft_confidence=float("nan")), "draft_confidence=nan: use a probability"),
+    (dict(draft_confidence="high"), "draft_confidence='high' is not a number"),
+    (dict(draft_confidence=0.5, rule="slem"),
+     "draft_confidence=0.5: method slem drafts in a loop of its own"),
 ]
 
 
@@ -279,6 +284,27 @@ def test_names_and_meshes_that_cannot_be_used_are_refused(models):
     specjax.SpeculativeDecoder(models["target"], models["draft"], mesh=other_axes)
   with pytest.raises(specjax.UsageError, match="prompt 0 is empty: give at least one token id"):
     specjax.generate(models["target"], [[]])
+
+
+def test_drafting_ended_by_the_drafts_confidence_keeps_the_greedy_text(models):
+  """draft_confidence: a block's drafting ends after a draft the draft model is unsure of
+  (gamma is the most): fewer draft passes than gamma per block, the target's own greedy text."""
+  alone = specjax.generate(models["target"], PROMPTS, temperature=0, max_new_tokens=12)
+  fixed = specjax.generate(models["target"], PROMPTS, draft=models["draft"], rule="greedy",
+                           temperature=0, max_new_tokens=12, gamma=6)
+  sd = specjax.generate(models["target"], PROMPTS, draft=models["draft"], rule="greedy",
+                        temperature=0, max_new_tokens=12, gamma=6, draft_confidence=0.9)
+  assert sd.tokens == alone.tokens
+  assert sd.stats["draft_passes"] < fixed.stats["draft_passes"]
+  # Prompt lookup proposes with probability 1 (never unsure); AdaSD's window ends at either stop.
+  lookup = [specjax.generate(models["target"], PROMPTS, draft="ngram", rule="greedy",
+                             temperature=0, max_new_tokens=12, draft_confidence=c)
+            for c in (0.0, 0.9)]
+  assert lookup[0].tokens == lookup[1].tokens == alone.tokens
+  assert lookup[0].stats == lookup[1].stats
+  ada = specjax.generate(models["target"], PROMPTS, draft=models["draft"], rule="adaptive",
+                         max_new_tokens=12, gamma=6, draft_confidence=0.9)
+  assert ada.stats["blocks"] > 0 and all(ada.tokens)
 
 
 def test_prompt_lookup_drafts_from_python(models):

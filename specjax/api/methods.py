@@ -78,6 +78,9 @@ class DecodeSettings:
   truncate: str = ""             # "": refuse a prompt the cache cannot hold; "left": keep its end
   stop: tuple[str, ...] | str = ()   # stop strings: a row ends where one appears (text cut before)
   stream: bool = True            # print text as it is generated (batch_size 1, one device)
+  # > 0: a block's drafting ends after a draft whose top probability under the draft model is
+  # below it (gamma stays the most per block; drafting/length.ConfidenceStop); 0: gamma always
+  draft_confidence: float = 0.0
 
   def __post_init__(self):
     if isinstance(self.stop, str):
@@ -95,6 +98,9 @@ class DecodeSettings:
       raise ValueError(f"truncate={self.truncate!r}: use '' (refuse prompts that do not fit) or "
                        f"'left' (keep the last tokens that fit)")
     Warp(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)   # refused now
+    if not 0.0 <= self.draft_confidence <= 1.0:        # NaN fails too
+      raise ValueError(f"draft_confidence={self.draft_confidence}: use a probability in (0, 1] "
+                       f"(drafting stops after a draft the draft model gives less), or 0 (off)")
 
   @property
   def warp(self) -> Warp:
@@ -144,6 +150,20 @@ class Method:
   arg_prefix: str = "--config.decode."   # how messages name settings ("": Python arguments)
   name: ClassVar[str] = ""
   streams: ClassVar[bool] = False    # generate takes on_chunk (streaming, stop strings)
+
+  def __post_init__(self):
+    why = self.settings.draft_confidence and self.confidence_refusal()
+    if why:
+      raise UsageError(f"{self.arg_prefix}draft_confidence={self.settings.draft_confidence}: "
+                       f"{why}; or set it to 0")
+
+  def confidence_refusal(self) -> str:
+    """Why this method cannot end drafting by the draft's confidence: "" where it can, and
+    where it has no draft (like gamma, the setting then has nothing to do)."""
+    if getattr(self, "draft", None) is None:
+      return ""
+    return (f"method {self.label} drafts in a loop of its own: draft_confidence applies to "
+            f"speculative decoding with an acceptance rule (exact, greedy, ...)")
 
   @property
   def label(self) -> str:
@@ -328,6 +348,22 @@ class Speculative(Method):
     lookup = f" + {self.draft.name}" if isinstance(self.draft, (NGram, LoadedHead)) else ""
     return self.rule.rule_name + lookup
 
+  def confidence_refusal(self) -> str:
+    return ""
+
+  def drafter(self, draft):
+    """What the loop drafts with: `draft` (a model, a Drafter), its drafting also ended by the
+    draft's confidence where settings.draft_confidence > 0 (drafting/length.ConfidenceStop
+    around the rule's own policy). Prompt lookup proposes with probability 1: it never stops
+    for it, and is returned as it is."""
+    if not self.settings.draft_confidence or isinstance(draft, NGram):
+      return draft
+    policy = drafting.length.ConfidenceStop(float(self.settings.draft_confidence),
+                                            inner=drafting.length.for_rule(self.rule))
+    if isinstance(draft, drafting.Drafter):
+      return dataclasses.replace(draft, length=policy)
+    return drafting.ModelDrafter(draft_model=draft, length=policy)
+
   def reserve(self, loaded: LoadedModel) -> Reserve:
     if loaded.model.is_encoder_decoder:
       return _NONE
@@ -343,7 +379,7 @@ class Speculative(Method):
     else:
       draft, params = self.draft.model, self.draft.params
     return speculative.generate(
-        self.target.model, self.target.params, draft, params, prompts.target, key,
+        self.target.model, self.target.params, self.drafter(draft), params, prompts.target, key,
         rule=self.rule, gamma=s.gamma, max_new_tokens=s.max_new_tokens, warp=s.warp,
         eos_id=self.eos_id, draft_prompt=prompts.draft, max_len=self.max_len, mesh=self.mesh,
         on_chunk=on_chunk)

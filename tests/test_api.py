@@ -71,8 +71,11 @@ def test_results_do_not_depend_on_batch_size(models):
   assert other_seed.tokens != three.tokens           # the seed matters: sampling is on
 
 
-def test_a_second_call_compiles_nothing(models):
-  decoder = specjax.SpeculativeDecoder(models["target"], models["draft"], rule="lenient", eps=0.2)
+@pytest.mark.parametrize("confidence", [0.0, 0.8])
+def test_a_second_call_compiles_nothing(models, confidence):
+  """draft_confidence builds its drafter per call: an equal one, so the loop is not recompiled."""
+  decoder = specjax.SpeculativeDecoder(models["target"], models["draft"], rule="lenient", eps=0.2,
+                                       draft_confidence=confidence)
   decoder.generate(PROMPTS[:2], max_new_tokens=8)
   clock = timing.clock()
   before = clock.seconds()

@@ -69,11 +69,13 @@ def test_under_vmap_and_inside_a_loop():
 @pytest.mark.parametrize("march, isa", [("x86-64", "generic"), ("haswell", "avx2")])
 def test_each_instruction_set_path(tmp_path, monkeypatch, march, isa):
   """The paths a CPU without AVX-512 VNNI compiles (the build uses -march=native, so this
-  machine's own path is the tests above)."""
+  machine's own path is the tests above), built as $SPECJAX_KERNEL_MARCH asks."""
   if "avx2" not in cpu_kernels.cpu_flags().split() and isa == "avx2":
     pytest.skip("this CPU runs no AVX2 code")
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
-  flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_kernels._FLAGS)
+  monkeypatch.setenv(cpu_kernels.MARCH_ENV, march)
+  flags = cpu_kernels.build_flags()
+  assert f"-march={march}" in flags and "-march=native" not in flags
   prefix = f"specjax_{isa}"
   assert cpu_kernels._register(cpu_kernels._build(flags), prefix) == isa
   for m, k, n in SHAPES:
@@ -181,6 +183,14 @@ def test_the_environment_chooses_and_a_failed_build_says_why(monkeypatch, tmp_pa
   with pytest.raises(RuntimeError, match="SPECJAX_INT8_KERNEL=specjax, but specjax's int8 CPU "
                                          "kernel could not be built"):
     cpu_kernels.status()
+
+
+def test_a_march_that_is_not_one_is_refused(monkeypatch):
+  monkeypatch.setenv(cpu_kernels.MARCH_ENV, "native -fplugin=x.so")
+  with pytest.raises(ValueError, match="SPECJAX_KERNEL_MARCH.*is not a -march value"):
+    cpu_kernels.build_flags()
+  monkeypatch.setenv(cpu_kernels.MARCH_ENV, "")
+  assert cpu_kernels.build_flags() == cpu_kernels._FLAGS
 
 
 @needs_compiler

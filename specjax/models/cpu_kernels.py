@@ -21,7 +21,9 @@ of keys, which cost a 4-position verify pass of the 1.5B target about 10 ms; the
 Building: the first use compiles cpu_kernels.cc with $CXX (else c++ or g++) at -O3 -march=native
 against jax's FFI headers, into CACHE/kernels/ under a key of the source, the compiler's
 version, the CPU's flags and jaxlib's version (CACHE: $SPECJAX_CACHE, else ~/.cache/specjax). A
-couple of seconds, once. $SPECJAX_INT8_KERNEL chooses for all three: "xla" (XLA's int8 product,
+couple of seconds, once. $SPECJAX_KERNEL_MARCH, if set, replaces -march=native (e.g. "haswell":
+the AVX2 build on an AVX-512 machine, with XLA_FLAGS=--xla_cpu_max_isa=AVX2 for XLA's own code,
+to measure what a CPU without AVX-512 runs). $SPECJAX_INT8_KERNEL chooses for all three: "xla" (XLA's int8 product,
 int4 weights dequantized in each step, XLA's loop per position), "specjax" (these kernels; an
 error when they cannot be built), unset: these kernels when they build, else XLA's with a
 warning that says why and what to install.
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 PREFIX = "specjax"               # the FFI targets PREFIX_int8_dot, PREFIX_int4_dot, PREFIX_attend
 ENV = "SPECJAX_INT8_KERNEL"
+MARCH_ENV = "SPECJAX_KERNEL_MARCH"   # the build's -march (default native)
 KERNELS = ("xla", "specjax")     # the values of $SPECJAX_INT8_KERNEL
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 _BUILD_TIMEOUT_S = 300
@@ -141,7 +144,7 @@ def _decided() -> Status:
   if pinned == "xla":
     return Status(False, f"${ENV}=xla")
   try:
-    isa = _register(_build(), PREFIX)
+    isa = _register(_build(build_flags()), PREFIX)
   except (OSError, RuntimeError, subprocess.SubprocessError) as err:
     if pinned == "specjax":
       raise RuntimeError(f"${ENV}=specjax, but specjax's int8 CPU kernel could not be built: "
@@ -158,6 +161,18 @@ def _compiler() -> str:
   if not found:
     raise RuntimeError("no C++ compiler found (c++, g++ or $CXX)")
   return found
+
+
+def build_flags() -> tuple[str, ...]:
+  """The compiler flags of the kernels' build: _FLAGS with -march=$SPECJAX_KERNEL_MARCH where
+  that is set."""
+  march = os.environ.get(MARCH_ENV, "").strip()
+  if not march:
+    return _FLAGS
+  if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
+    raise ValueError(f"${MARCH_ENV}={march!r} is not a -march value: use one such as haswell, "
+                     f"znver2 or x86-64-v3, or unset it (-march=native)")
+  return tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
 
 
 def _build(flags: tuple[str, ...] = _FLAGS) -> Path:

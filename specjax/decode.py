@@ -185,8 +185,7 @@ DEFAULT_CONFIG = "qwen_coder.py"
 
 def _show(text: str) -> None:
   if runner.reports():            # multi-host: process 0 prints
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    cli.show(text)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Callable
 import jax
 
 from specjax import checkpoint, sharding
+from specjax.api import timing
 from specjax.app.config import ConfigError
 from specjax.data.cache import cache_dir
 from specjax.data.tokenizer import NoChatTemplateError
@@ -50,7 +51,9 @@ class Elapsed(logging.Formatter):
 
 class _Stderr(logging.StreamHandler):
   """A handler that writes to whatever sys.stderr is at each record (a tool run in-process,
-  e.g. by a test that captures stderr, keeps logging to the current stream, not a closed one)."""
+  e.g. by a test that captures stderr, keeps logging to the current stream, not a closed one).
+  A record that comes while streamed text has left a line open on the same terminal or file
+  (`show`) starts on a new line rather than at the end of the text."""
 
   @property
   def stream(self):
@@ -59,6 +62,34 @@ class _Stderr(logging.StreamHandler):
   @stream.setter
   def stream(self, _):
     pass
+
+  def emit(self, record):
+    global _open_line
+    if _open_line and _same_file(sys.stdout, sys.stderr):
+      sys.stderr.write("\n")
+      _open_line = False
+    super().emit(record)
+
+
+_open_line = False      # the text streamed last (show) did not end its line
+
+
+def show(text: str) -> None:
+  """Writes streamed text to stdout at once (flushed), and remembers whether it left a line
+  open for the log handler (_Stderr)."""
+  global _open_line
+  sys.stdout.write(text)
+  sys.stdout.flush()
+  if text:
+    _open_line = not text.endswith("\n")
+
+
+def _same_file(a, b) -> bool:
+  """Whether two streams write to one terminal, pipe or file (2>&1)."""
+  try:
+    return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
+  except (AttributeError, OSError, ValueError):     # a stream without a file (a test's buffer)
+    return False
 
 
 def setup() -> None:
@@ -76,6 +107,7 @@ def setup() -> None:
   # Every program is persisted: one compiling in under the old 0.5 s floor was compiled again
   # on every run (docs/results.md, start-up).
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  timing.log_compiles(root)       # a first run's compilation is a phase, said with its time
   # What is alive now (jax, flax, transformers, ... once imported) is never garbage: keep it out
   # of the collections that tracing triggers and of the one at exit, which took 1-1.5 s.
   gc.freeze()

@@ -1,0 +1,109 @@
+"""The CLI's compile log (api/timing.CompileLog): a long compile is announced while it runs and
+ended with its time, a fetch from the persistent cache is told apart from a compile, and a log
+line never lands at the end of streamed text."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.api import timing
+from specjax.app import cli
+
+
+class _Lines(logging.Handler):
+  def __init__(self):
+    super().__init__()
+    self.lines: list[str] = []
+
+  def emit(self, record):
+    self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def compile_log():
+  log = logging.getLogger("specjax.test_compile_log")
+  lines = _Lines()
+  log.addHandler(lines)
+  log.setLevel(logging.INFO)
+  made = timing.CompileLog(log, after=0.0)      # every compile is "long"
+  yield made, lines.lines
+  made.close()
+  log.removeHandler(lines)
+
+
+def test_a_compile_is_announced_and_ended_with_its_time(compile_log):
+  _, lines = compile_log
+  width = 7 + len(lines)                         # a shape no other test compiled
+  jax.jit(lambda x: jnp.sin(x) * 2)(np.ones(width, np.float32)).block_until_ready()
+  mine = [line for line in lines if "<lambda>" in line]
+  assert mine[0].startswith("compiling jit(<lambda>) (or fetching it from the compile cache)")
+  assert mine[-1].startswith("compiled jit(<lambda>) in ") and mine[-1].endswith("s")
+
+
+def test_a_cache_hit_is_said_as_a_fetch(compile_log):
+  """The events jax records around compile_or_get_cached (the start as a scalar, the cache hit,
+  the span), as a fetch from the persistent cache sends them."""
+  from jax._src import monitoring
+  _, lines = compile_log
+  monitoring.record_scalar(timing._BACKEND_COMPILE, 100.0, fun_name="jit(f)")
+  monitoring.record_event(timing._CACHE_HIT)
+  monitoring.record_event_time_span(timing._BACKEND_COMPILE, 100.0, 102.5, fun_name="jit(f)")
+  monitoring.record_scalar(timing._BACKEND_COMPILE, 200.0, fun_name="jit(g)")
+  monitoring.record_event_time_span(timing._BACKEND_COMPILE, 200.0, 203.0, fun_name="jit(g)")
+  assert "fetched jit(f) from the compile cache in 2.5s" in lines
+  assert "compiled jit(g) in 3.0s" in lines          # the hit of f's fetch is not g's
+
+
+def test_a_short_compile_says_nothing():
+  log = logging.getLogger("specjax.test_compile_log.quiet")
+  lines = _Lines()
+  log.addHandler(lines)
+  log.setLevel(logging.INFO)
+  made = timing.CompileLog(log, after=60.0)
+  try:
+    jax.jit(lambda x: x - 1)(np.ones(11, np.float32)).block_until_ready()
+  finally:
+    made.close()
+    log.removeHandler(lines)
+  assert lines.lines == []
+
+
+def test_a_log_line_starts_its_own_line_after_streamed_text(monkeypatch, tmp_path):
+  """stdout and stderr into one file (2>&1): streamed text that leaves a line open gets a line
+  break before the next log line; a closed line gets none; separate files get none."""
+  path = tmp_path / "both.txt"
+  with open(path, "w") as both:
+    monkeypatch.setattr(sys, "stdout", both)
+    monkeypatch.setattr(sys, "stderr", both)
+    handler = cli._Stderr()
+    handler.setFormatter(logging.Formatter("LOG %(message)s"))
+    record = lambda msg: logging.LogRecord("specjax", logging.INFO, __file__, 1, msg, (), None)
+    cli.show("> prompt\n    return")
+    handler.emit(record("one"))
+    cli.show(" a + b\n")
+    handler.emit(record("two"))
+    both.flush()
+  assert path.read_text() == "> prompt\n    return\nLOG one\n a + b\nLOG two\n"
+  out, err = io.StringIO(), io.StringIO()                  # no file behind them: no guess
+  monkeypatch.setattr(sys, "stdout", out)
+  monkeypatch.setattr(sys, "stderr", err)
+  cli.show("open")
+  cli._Stderr().emit(record("three"))
+  assert err.getvalue() == "three\n" and out.getvalue() == "open"
+  cli.show("\n")
+
+
+def test_the_cli_says_its_compiles_on_the_specjax_log():
+  cli.setup()
+  made = timing.log_compiles(None)
+  assert made._log is logging.getLogger("specjax")
+  from jax._src import monitoring
+  assert made._on_end in [getattr(entry, "callback", entry)
+                          for entry in monitoring.get_event_time_span_listeners()]

@@ -208,7 +208,7 @@ def test_threads_deciding_at_once_decide_once(monkeypatch, fresh_status):
   import threading
   built = []
   real = cpu_kernels._build
-  monkeypatch.setattr(cpu_kernels, "_build", lambda: built.append(1) or real())
+  monkeypatch.setattr(cpu_kernels, "_build", lambda flags: built.append(1) or real(flags))
   threads = [threading.Thread(target=cpu_kernels.status) for _ in range(4)]
   for t in threads:
     t.start()

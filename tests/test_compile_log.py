@@ -4,6 +4,7 @@ line never lands at the end of streamed text."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import sys
@@ -12,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
+from jax import monitoring
 
 from specjax.api import timing
 from specjax.app import cli
@@ -27,22 +28,25 @@ class _Lines(logging.Handler):
     self.lines.append(record.getMessage())
 
 
-@pytest.fixture
-def compile_log():
-  log = logging.getLogger("specjax.test_compile_log")
+@contextlib.contextmanager
+def _listening(after: float):
+  """A CompileLog on a logger of its own -> the list of the lines it logs (until exit)."""
+  log = logging.getLogger(f"specjax.test_compile_log.{after}")
   lines = _Lines()
   log.addHandler(lines)
   log.setLevel(logging.INFO)
-  made = timing.CompileLog(log, after=0.0)      # every compile is "long"
-  yield made, lines.lines
-  made.close()
-  log.removeHandler(lines)
+  made = timing.CompileLog(log, after)
+  try:
+    yield lines.lines
+  finally:
+    made.close()
+    log.removeHandler(lines)
 
 
-def test_a_compile_is_ended_with_its_time(compile_log):
-  _, lines = compile_log
-  width = 7 + len(lines)                         # a shape no other test compiled
-  jax.jit(lambda x: jnp.sin(x) * 2)(np.ones(width, np.float32)).block_until_ready()
+def test_a_compile_is_ended_with_its_time():
+  with _listening(after=0.0) as lines:             # every compile is "long"
+    width = 7 + len(lines)                         # a shape no other test compiled
+    jax.jit(lambda x: jnp.sin(x) * 2)(np.ones(width, np.float32)).block_until_ready()
   ends = [line for line in lines if line.startswith("compiled jit(<lambda>) in ")]
   assert ends and ends[-1].endswith("s")
 
@@ -50,52 +54,34 @@ def test_a_compile_is_ended_with_its_time(compile_log):
 def test_a_long_compile_is_announced_while_it_runs():
   """The events jax records around a compile (the start as a scalar, then the span), with the
   compile outlasting `after`: the announcement comes before the end."""
-  from jax._src import monitoring
-  log = logging.getLogger("specjax.test_compile_log.slow")
-  lines = _Lines()
-  log.addHandler(lines)
-  log.setLevel(logging.INFO)
-  made = timing.CompileLog(log, after=0.05)
-  try:
+  with _listening(after=0.05) as lines:
     monitoring.record_scalar(timing._BACKEND_COMPILE, 10.0, fun_name="jit(h)")
     for _ in range(100):                           # up to 5 s for the timer's thread
-      if lines.lines:
+      if lines:
         break
       time.sleep(0.05)
     monitoring.record_event_time_span(timing._BACKEND_COMPILE, 10.0, 14.0, fun_name="jit(h)")
-  finally:
-    made.close()
-    log.removeHandler(lines)
-  assert lines.lines == ["compiling jit(h) (or fetching it from the compile cache) ...",
-                         "compiled jit(h) in 4.0s"]
+  assert lines == ["compiling jit(h) (or fetching it from the compile cache) ...",
+                   "compiled jit(h) in 4.0s"]
 
 
-def test_a_cache_hit_is_said_as_a_fetch(compile_log):
+def test_a_cache_hit_is_said_as_a_fetch():
   """The events jax records around compile_or_get_cached (the start as a scalar, the cache hit,
   the span), as a fetch from the persistent cache sends them."""
-  from jax._src import monitoring
-  _, lines = compile_log
-  monitoring.record_scalar(timing._BACKEND_COMPILE, 100.0, fun_name="jit(f)")
-  monitoring.record_event(timing._CACHE_HIT)
-  monitoring.record_event_time_span(timing._BACKEND_COMPILE, 100.0, 102.5, fun_name="jit(f)")
-  monitoring.record_scalar(timing._BACKEND_COMPILE, 200.0, fun_name="jit(g)")
-  monitoring.record_event_time_span(timing._BACKEND_COMPILE, 200.0, 203.0, fun_name="jit(g)")
+  with _listening(after=0.0) as lines:
+    monitoring.record_scalar(timing._BACKEND_COMPILE, 100.0, fun_name="jit(f)")
+    monitoring.record_event(timing._CACHE_HIT)
+    monitoring.record_event_time_span(timing._BACKEND_COMPILE, 100.0, 102.5, fun_name="jit(f)")
+    monitoring.record_scalar(timing._BACKEND_COMPILE, 200.0, fun_name="jit(g)")
+    monitoring.record_event_time_span(timing._BACKEND_COMPILE, 200.0, 203.0, fun_name="jit(g)")
   assert "fetched jit(f) from the compile cache in 2.5s" in lines
   assert "compiled jit(g) in 3.0s" in lines          # the hit of f's fetch is not g's
 
 
 def test_a_short_compile_says_nothing():
-  log = logging.getLogger("specjax.test_compile_log.quiet")
-  lines = _Lines()
-  log.addHandler(lines)
-  log.setLevel(logging.INFO)
-  made = timing.CompileLog(log, after=60.0)
-  try:
+  with _listening(after=60.0) as lines:
     jax.jit(lambda x: x - 1)(np.ones(11, np.float32)).block_until_ready()
-  finally:
-    made.close()
-    log.removeHandler(lines)
-  assert lines.lines == []
+  assert lines == []
 
 
 def test_a_log_line_starts_its_own_line_after_streamed_text(monkeypatch, tmp_path):
@@ -125,8 +111,11 @@ def test_a_log_line_starts_its_own_line_after_streamed_text(monkeypatch, tmp_pat
 
 def test_the_cli_says_its_compiles_on_the_specjax_log():
   cli.setup()
-  made = timing.log_compiles(None)
-  assert made._log is logging.getLogger("specjax")
-  from jax._src import monitoring
-  assert made._on_end in [getattr(entry, "callback", entry)
-                          for entry in monitoring.get_event_time_span_listeners()]
+  lines = _Lines()
+  logging.getLogger("specjax").addHandler(lines)
+  try:
+    monitoring.record_scalar(timing._BACKEND_COMPILE, 300.0, fun_name="jit(z)")
+    monitoring.record_event_time_span(timing._BACKEND_COMPILE, 300.0, 303.0, fun_name="jit(z)")
+  finally:
+    logging.getLogger("specjax").removeHandler(lines)
+  assert lines.lines.count("compiled jit(z) in 3.0s") == 1       # one log, however many setups

@@ -76,6 +76,29 @@ def test_hf_fingerprint_ignores_the_chat_template_and_sees_a_new_token(tmp_path)
   assert not tokenizer_lib.same_vocabulary(a, c)
 
 
+def test_the_same_tokenizer_files_are_the_same_vocabulary_without_the_fingerprint(tmp_path,
+                                                                                monkeypatch):
+  """A converted pair's byte-identical tokenizer files pass without parsing the vocabulary; a
+  copy whose generation_config.json names another EOS id does not pass on its files (its
+  fingerprint, which holds the special ids, decides and refuses it)."""
+  from test_fetch import _tiny_gguf
+  gguf_file = tmp_path / "tiny.gguf"
+  _tiny_gguf(gguf_file)
+  tokenizer_lib.HFTokenizer.from_gguf(gguf_file).tok.save_pretrained(tmp_path / "a")
+  shutil.copytree(tmp_path / "a", tmp_path / "copy")
+  shutil.copytree(tmp_path / "a", tmp_path / "other_eos")
+  (tmp_path / "other_eos" / "generation_config.json").write_text('{"eos_token_id": 3}')
+  a, copy, other_eos = (tokenizer_lib.get_tokenizer(str(tmp_path / n))
+                        for n in ("a", "copy", "other_eos"))
+  assert other_eos.eos_ids != a.eos_ids
+  parsed = []
+  real = tokenizer_lib.HFTokenizer.fingerprint.func
+  monkeypatch.setattr(tokenizer_lib.HFTokenizer, "fingerprint",
+                      property(lambda self: parsed.append(self.path) or real(self)))
+  assert tokenizer_lib.same_vocabulary(a, copy) and parsed == []
+  assert not tokenizer_lib.same_vocabulary(a, other_eos) and parsed
+
+
 def test_a_checkpoint_without_tokenizer_files_is_refused_naming_them(dirs, tmp_path):
   bare = tmp_path / "bare"
   shutil.copytree(dirs["target"], bare)

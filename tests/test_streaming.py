@@ -115,3 +115,19 @@ def test_counters_stop_at_what_was_committed(max_new):
   assert t["accepted"] <= t["verified"] <= t["drafted"]
   per_row = np.asarray(gen.stats.accepted)
   assert (per_row <= max_new - 1).all(), per_row
+
+
+@pytest.mark.parametrize("loop", ["speculative", "autoregressive"])
+def test_a_chunked_loop_chooses_its_compiler_options_once(monkeypatch, loop):
+  """The chunk program's compiler options follow the arguments' dtypes (state.LoopJit), which no
+  chunk changes: they are read once per generation, not by walking every param leaf at each of
+  its chunks (a host cost on every block of a streamed run)."""
+  from specjax.decoding import state
+  walks = []
+  real = state.has_16bit_floats
+  monkeypatch.setattr(state, "has_16bit_floats", lambda tree: walks.append(1) or real(tree))
+  rec = Recorder()
+  gen = (_spec if loop == "speculative" else _ar)(on_chunk=rec, chunk_blocks=1)
+  assert len(rec.seen) >= 3 and len(walks) == 1
+  whole = (_spec if loop == "speculative" else _ar)()
+  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(whole.tokens))

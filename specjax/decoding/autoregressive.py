@@ -90,8 +90,12 @@ def generate(model, params, prompt: Prompt, key: jax.Array, *, max_new_tokens: i
   # temperature, top_p, top_k of its bucket or max_new_tokens of its bucket reuses the loop.
   setup = Setup(model, None, stop_ids(eos_id), bucket, max_len, mesh)
   knobs = (warp, np.int32(max_new_tokens))
-  start = lambda: (_init_jit(setup, params, prompt, keys, knobs),
-                   lambda s, steps: _chunk_jit(setup, params, s, steps, knobs))
+
+  def start():
+    state = _init_jit(setup, params, prompt, keys, knobs)
+    chunk = _chunk_jit.jitted(setup, params, state, 1, knobs)     # options chosen once
+    return state, lambda s, steps: chunk(setup, params, s, steps, knobs)
+
   return run_loop(lambda: _run(setup, params, prompt, keys, knobs), start,
                   lambda: sharded.generate(loop, setup, (model,), (params,), (prompt,), keys,
                                            knobs),

@@ -187,8 +187,11 @@ def _start(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs
   chunks. Under `with jax.disable_jit():` everything runs eagerly (breakpoints inside rules and
   models work)."""
   state, anchors = _init_jit(setup, target_params, draft_params, prompt, draft_prompt, keys, knobs)
-  return state, lambda s, blocks: _chunk_jit(setup, target_params, draft_params, anchors, s,
-                                             blocks, knobs)
+  # The compiler options follow the arguments' dtypes, which no chunk changes: chosen once, not
+  # by walking every param leaf at each chunk's call.
+  chunk = _chunk_jit.jitted(setup, target_params, draft_params, anchors, state, 1, knobs)
+  return state, lambda s, blocks: chunk(setup, target_params, draft_params, anchors, s, blocks,
+                                        knobs)
 
 
 def init(setup: Setup, target_params, draft_params, prompt, draft_prompt, keys):

@@ -82,7 +82,8 @@ def test_each_instruction_set_path(tmp_path, monkeypatch, march, isa):
     q, w, want = _operands(m, k, n, seed=1)
     call = jax.ffi.ffi_call(f"{prefix}_int8_dot", jax.ShapeDtypeStruct((m, n), jnp.int32))
     stored = quant.block_int8(w) if isa in cpu_kernels.BLOCKED_ISAS else w
-    np.testing.assert_array_equal(np.asarray(jax.jit(call)(q, stored)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(q, stored[None], jnp.int32(0))),
+                                  want)
   # int4 (quant.int4_matmul's product): the same numbers as this machine's own build
   rng = np.random.default_rng(2)
   for m, k, n in [(1, 128, 16), (3, 192, 33), (9, 896, 40)]:
@@ -93,7 +94,8 @@ def test_each_instruction_set_path(tmp_path, monkeypatch, march, isa):
                                                                                      scale)
     want = np.asarray(q, np.float64) @ np.asarray(quant.dequantize_int4(packed, scale),
                                                   np.float64).T
-    np.testing.assert_allclose(np.asarray(jax.jit(call)(q, *stored)), want, rtol=1e-5,
+    stacks = [x[None] for x in stored]
+    np.testing.assert_allclose(np.asarray(jax.jit(call)(q, *stacks, jnp.int32(0))), want, rtol=1e-5,
                                atol=1e-5 * np.abs(want).max())
 
 
@@ -283,3 +285,40 @@ def test_attention_gives_a_position_the_same_bits_in_any_pass_and_cache(monkeypa
   pad = jnp.zeros(cache[0].shape[:2] + (128,) + cache[0].shape[3:], jnp.float32)
   larger = (jnp.concatenate([cache[0], pad], 2), jnp.concatenate([cache[1], pad + 1.0], 2))
   np.testing.assert_array_equal(np.asarray(attend(q, larger, block, positions, lengths)), wide)
+
+
+@needs_compiler
+def test_a_layer_of_a_stack_is_read_in_place():
+  """Each kernel given a whole stack [L, ...] and a layer's index (models/layer_view.LayerOf,
+  what the layer loops pass so that no layer's weights or cache are copied) computes what it
+  computes from that layer's slice, bit for bit, for every layer, with the index traced inside a
+  loop; an index outside the stack is an error, not a read past it."""
+  from specjax.models.layer_view import LayerOf
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(_operands(3, 192, 40)[0])
+  int8 = jnp.stack([_stored(_operands(3, 192, 40, seed=s)[1]) for s in range(3)])   # [3, N, K]
+  weights = [quant.pack_int4(jnp.asarray(rng.standard_normal((40, 192)), jnp.float32))
+             for _ in range(3)]
+  if quant.blocked_layout():
+    weights = [quant.block_int4(*w) for w in weights]
+  packed, scales = (jnp.stack(x) for x in zip(*weights))                  # [3, N, K/2], [3, N, 3]
+  a_q, cache, block, positions, lengths = _attention_operands(2)
+  caches = tuple(jnp.stack([c, c[::-1] * 0.5, -c]) for c in cache)         # [3, B, Hkv, S, Dh]
+
+  def every_layer(stack_of):
+    return jax.jit(lambda: jax.lax.map(stack_of, jnp.arange(3, dtype=jnp.int32)))()
+
+  in_place = every_layer(lambda i: cpu_kernels.int8_dot(q, LayerOf(int8, i)))
+  int4 = every_layer(lambda i: cpu_kernels.int4_dot(q, LayerOf(packed, i), LayerOf(scales, i)))
+  attend = every_layer(lambda i: cpu_kernels.attend_each_position(
+      a_q, LayerOf(caches[0], i), LayerOf(caches[1], i), *block, positions, lengths))
+  for i in range(3):
+    np.testing.assert_array_equal(np.asarray(in_place[i]),
+                                  np.asarray(jax.jit(cpu_kernels.int8_dot)(q, int8[i])))
+    np.testing.assert_array_equal(
+        np.asarray(int4[i]), np.asarray(jax.jit(cpu_kernels.int4_dot)(q, packed[i], scales[i])))
+    np.testing.assert_array_equal(np.asarray(attend[i]), np.asarray(jax.jit(
+        cpu_kernels.attend_each_position)(a_q, caches[0][i], caches[1][i], *block, positions,
+                                          lengths)))
+  with pytest.raises(jax.errors.JaxRuntimeError, match="layer index out of range"):
+    jax.block_until_ready(jax.jit(lambda i: cpu_kernels.int8_dot(q, LayerOf(int8, i)))(3))

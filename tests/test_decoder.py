@@ -192,11 +192,14 @@ def test_unstacked_layout_equals_stacked(ours, unrolled, tmp_path):
 
 
 def test_layout_choice_of_the_app(hf, monkeypatch):
-  """`layers` of a model section: auto is scanned on TPU, unrolled elsewhere."""
+  """`layers` of a model section: auto is scanned on TPU and where the CPU kernels read the
+  quantized layers in place, unrolled elsewhere."""
   from specjax.api import loading
   from specjax.app import builders, config, resolve
   assert layers.scan_layers("auto", backend="tpu")
   assert not layers.scan_layers("auto", backend="cpu") and not layers.scan_layers("auto", "gpu")
+  assert layers.scan_layers("auto", "cpu", in_place=True)       # the kernels read the stack
+  assert not layers.scan_layers("auto", "gpu", in_place=True)
   assert layers.scan_layers("scan") and not layers.scan_layers("unrolled")
   with pytest.raises(config.ConfigError, match="--config.target: layers='fast'"):
     builders.model_spec({"target": {"checkpoint": str(hf[1]), "layers": "fast"}}, "target")

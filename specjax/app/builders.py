@@ -147,7 +147,8 @@ class ModelSpec:
   init_from: a specjax training workdir whose exported params replace the initial ones.
   layers: a checkpoint's layer layout (models/layers.py): "scan" (stacked, nn.scan: compile time
   independent of depth), "unrolled" (a loop over per-layer arrays: XLA:CPU decodes faster) or
-  "auto": scanned on TPU, unrolled elsewhere. layout: a decoder-only checkpoint's dense kernels
+  "auto": scanned on TPU and where specjax's CPU kernels read quantized layers in place, unrolled
+  elsewhere (models/layers.scan_layers). layout: a decoder-only checkpoint's dense kernels
   (models/dense_layout.py), "in_out", "out_in" or "auto": measured once per machine on CPU
   (models/layout_choice.py), in_out elsewhere; sections with `init_from`, and training, take
   in_out for "auto" (the trainers' params are [in, out])."""

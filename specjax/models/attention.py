@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.models import cpu_kernels
+from specjax.models import cpu_kernels, layer_view
 from specjax.models import kv_cache as kvc
 
 
@@ -68,7 +68,8 @@ def attend_each_position(q: jax.Array, cache: tuple[jax.Array, jax.Array],
                          lengths: jax.Array, window: int | None = None,
                          scale: float | None = None, precision=None) -> jax.Array:
   """`attend`, with each query position on its own: q [B,T,H,Dh]; cache (k, v) [B,Hkv,S,Dh] read
-  only, row b's keys at the slots below lengths[b]; block (k, v) [B,T,Hkv,Dh] the block's own,
+  only (or layer_view.LayerOf of one layer of the stacked cache), row b's keys at the slots
+  below lengths[b]; block (k, v) [B,T,Hkv,Dh] the block's own,
   at slots lengths[b] .. lengths[b]+T-1; positions [B,T] the queries' slots (a query sees the
   slots <= its own, and > its own - window) -> [B,T,H*Dh].
 
@@ -85,7 +86,8 @@ def attend_each_position(q: jax.Array, cache: tuple[jax.Array, jax.Array],
       and all(x.dtype == jnp.float32 for x in (q, *cache, *block))):
     out = cpu_kernels.attend_each_position(q, *cache, *block, positions, lengths, window, scale)
     return out.reshape(batch, num_new, heads * head_dim)
-  k, v = (kvc.with_block(buf, new, lengths, CHUNK) for buf, new in zip(cache, block))
+  k, v = (kvc.with_block(layer_view.read(buf), new, lengths, CHUNK)
+          for buf, new in zip(cache, block))
   kv_heads = k.shape[1]
   low = jnp.finfo(jnp.float32).min
 

@@ -625,13 +625,27 @@ void Parallel(ffi::ThreadPool& pool, int64_t N, std::function<void(int64_t, int6
 
 using Int8Matrix = ffi::Buffer<ffi::S8, 2>;
 using Int32Matrix = ffi::Buffer<ffi::S32, 2>;
-using PackedInt4Matrix = ffi::Buffer<ffi::U8, 2>;
 using FloatMatrix = ffi::Buffer<ffi::F32, 2>;
+using Int8Stack = ffi::Buffer<ffi::S8, 3>;          // [L, N, K]: every layer's weights
+using PackedInt4Stack = ffi::Buffer<ffi::U8, 3>;    // [L, N, K / 2]
+using FloatStack = ffi::Buffer<ffi::F32, 3>;        // [L, N, K / 64]
+using Index = ffi::Buffer<ffi::S32, 0>;             // the layer to read
 
-ffi::Error Int8DotImpl(ffi::ThreadPool pool, Int8Matrix a, Int8Matrix w,
+// The layer `index` of a stack [L, ...] of `per_layer` elements, or nullptr where the index is
+// outside [0, L): the weights and caches of every layer come whole, read in place (a slice
+// passed to a custom call is a copy in XLA).
+template <class T>
+const T* Layer(const T* stack, int64_t layers, int64_t per_layer, int32_t index) {
+  if (index < 0 || index >= layers) return nullptr;
+  return stack + index * per_layer;
+}
+
+ffi::Error Int8DotImpl(ffi::ThreadPool pool, Int8Matrix a, Int8Stack ws, Index index,
                        ffi::Result<Int32Matrix> out) {
-  const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = w.dimensions()[0];
-  if (w.dimensions()[1] != K) return ffi::Error::InvalidArgument("int8 dot: K differs");
+  const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = ws.dimensions()[1];
+  if (ws.dimensions()[2] != K) return ffi::Error::InvalidArgument("int8 dot: K differs");
+  const int8_t* wd = Layer(ws.typed_data(), ws.dimensions()[0], N * K, *index.typed_data());
+  if (wd == nullptr) return ffi::Error::InvalidArgument("int8 dot: layer index out of range");
   auto act = std::make_shared<Activations>();
   act->raw = a.typed_data();
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -649,7 +663,6 @@ ffi::Error Int8DotImpl(ffi::ThreadPool pool, Int8Matrix a, Int8Matrix w,
 #elif defined(__AVX2__)
   act->s16.assign(a.typed_data(), a.typed_data() + M * K);
 #endif
-  const int8_t* wd = w.typed_data();
   int32_t* od = out->typed_data();
   Parallel(pool, (N + kUnit - 1) / kUnit, [act, M, wd, od, N, K](int64_t u0, int64_t u1) {
     Columns(*act, M, wd, od, N, K, u0, u1);
@@ -657,16 +670,18 @@ ffi::Error Int8DotImpl(ffi::ThreadPool pool, Int8Matrix a, Int8Matrix w,
   return ffi::Error::Success();
 }
 
-ffi::Error Int4DotImpl(ffi::ThreadPool pool, Int8Matrix a, PackedInt4Matrix w, FloatMatrix s,
-                       ffi::Result<FloatMatrix> out) {
-  const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = w.dimensions()[0];
-  if (K % kGroup != 0 || w.dimensions()[1] != K / 2 || s.dimensions()[0] != N ||
-      s.dimensions()[1] != K / kGroup)
-    return ffi::Error::InvalidArgument("int4 dot: a [M, K], w [N, K / 2], s [N, K / 64] with K "
-                                       "a multiple of 64");
+ffi::Error Int4DotImpl(ffi::ThreadPool pool, Int8Matrix a, PackedInt4Stack ws, FloatStack ss,
+                       Index index, ffi::Result<FloatMatrix> out) {
+  const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = ws.dimensions()[1],
+                L = ws.dimensions()[0];
+  if (K % kGroup != 0 || ws.dimensions()[2] != K / 2 || ss.dimensions()[0] != L ||
+      ss.dimensions()[1] != N || ss.dimensions()[2] != K / kGroup)
+    return ffi::Error::InvalidArgument("int4 dot: a [M, K], w [L, N, K / 2], s [L, N, K / 64] "
+                                       "with K a multiple of 64");
+  const uint8_t* wd = Layer(ws.typed_data(), L, N * K / 2, *index.typed_data());
+  const float* sd = Layer(ss.typed_data(), L, N * K / kGroup, *index.typed_data());
+  if (wd == nullptr) return ffi::Error::InvalidArgument("int4 dot: layer index out of range");
   auto act = std::make_shared<Int4Activations>(Int4Prepare(a.typed_data(), M, K));
-  const uint8_t* wd = w.typed_data();
-  const float* sd = s.typed_data();
   float* od = out->typed_data();
   Parallel(pool, (N + kUnit - 1) / kUnit, [act, M, wd, sd, od, N, K](int64_t u0, int64_t u1) {
     Int4Columns(*act, M, wd, sd, od, N, K, u0, u1);
@@ -679,24 +694,41 @@ using Int32Matrix2 = ffi::Buffer<ffi::S32, 2>;
 
 using Int32Vector = ffi::Buffer<ffi::S32, 1>;
 
-ffi::Error AttendImpl(ffi::ThreadPool pool, FloatArray4 q, FloatArray4 kc, FloatArray4 vc,
-                      FloatArray4 kn, FloatArray4 vn, Int32Matrix2 positions,
+// The cache comes as one layer's [B, Hkv, S, Dh] or the whole stack [L, B, Hkv, S, Dh] with the
+// layer's index (one layer's: what a sharded caller gathers, where XLA cannot split this call).
+ffi::Error AttendImpl(ffi::ThreadPool pool, FloatArray4 q, ffi::AnyBuffer kc, ffi::AnyBuffer vc,
+                      Index index, FloatArray4 kn, FloatArray4 vn, Int32Matrix2 positions,
                       Int32Vector lengths, int64_t window, float scale,
                       ffi::Result<FloatArray4> out) {
   const int64_t B = q.dimensions()[0], T = q.dimensions()[1], H = q.dimensions()[2],
-                D = q.dimensions()[3], Hkv = kc.dimensions()[1], S = kc.dimensions()[2];
-  auto dims = [](const FloatArray4& x, std::array<int64_t, 4> want) {
-    return std::equal(want.begin(), want.end(), x.dimensions().begin());
+                D = q.dimensions()[3];
+  const auto cache = kc.dimensions();
+  const bool stacked = cache.size() == 5;
+  const int64_t L = stacked ? cache[0] : 1, Hkv = cache.size() >= 4 ? cache[stacked + 1] : 0,
+                S = cache.size() >= 4 ? cache[stacked + 2] : 0;
+  auto dims = [](auto dimensions, auto... want) {
+    const int64_t w[] = {want...};
+    return dimensions.size() == sizeof...(want) &&
+           std::equal(std::begin(w), std::end(w), dimensions.begin());
   };
-  if (Hkv == 0 || H % Hkv != 0 || !dims(kc, {B, Hkv, S, D}) || !dims(vc, {B, Hkv, S, D}) ||
-      !dims(kn, {B, T, Hkv, D}) || !dims(vn, {B, T, Hkv, D}) ||
+  auto cache_dims = [&](const ffi::AnyBuffer& x) {
+    return x.element_type() == ffi::F32 && (stacked ? dims(x.dimensions(), L, B, Hkv, S, D)
+                                                    : dims(x.dimensions(), B, Hkv, S, D));
+  };
+  if (Hkv == 0 || H % Hkv != 0 || !cache_dims(kc) || !cache_dims(vc) ||
+      !dims(kn.dimensions(), B, T, Hkv, D) || !dims(vn.dimensions(), B, T, Hkv, D) ||
       positions.dimensions()[0] != B || positions.dimensions()[1] != T ||
       lengths.dimensions()[0] != B)
-    return ffi::Error::InvalidArgument("attention: q [B, T, H, Dh], the cache's k and v [B, Hkv, "
-                                       "S, Dh], the block's [B, T, Hkv, Dh], positions [B, T], "
-                                       "lengths [B], H a multiple of Hkv");
-  const float *qd = q.typed_data(), *kcd = kc.typed_data(), *vcd = vc.typed_data(),
-              *knd = kn.typed_data(), *vnd = vn.typed_data();
+    return ffi::Error::InvalidArgument("attention: q [B, T, H, Dh], the cache's k and v float32 "
+                                       "[B, Hkv, S, Dh] or [L, B, Hkv, S, Dh], the block's [B, "
+                                       "T, Hkv, Dh], positions [B, T], lengths [B], H a "
+                                       "multiple of Hkv");
+  const float *kcd = Layer(static_cast<const float*>(kc.untyped_data()), L, B * Hkv * S * D,
+                           *index.typed_data()),
+              *vcd = Layer(static_cast<const float*>(vc.untyped_data()), L, B * Hkv * S * D,
+                           *index.typed_data());
+  if (kcd == nullptr) return ffi::Error::InvalidArgument("attention: layer index out of range");
+  const float *qd = q.typed_data(), *knd = kn.typed_data(), *vnd = vn.typed_data();
   const int32_t *pd = positions.typed_data(), *ld = lengths.typed_data();
   float* od = out->typed_data();
   Parallel(pool, B * T * Hkv, [=](int64_t i0, int64_t i1) {
@@ -713,23 +745,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxInt8Dot, Int8DotImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Int8Matrix>()
-                                  .Arg<Int8Matrix>()
+                                  .Arg<Int8Stack>()
+                                  .Arg<Index>()
                                   .Ret<Int32Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxInt4Dot, Int4DotImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Int8Matrix>()
-                                  .Arg<PackedInt4Matrix>()
-                                  .Arg<FloatMatrix>()
+                                  .Arg<PackedInt4Stack>()
+                                  .Arg<FloatStack>()
+                                  .Arg<Index>()
                                   .Ret<FloatMatrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttend, AttendImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<FloatArray4>()
-                                  .Arg<FloatArray4>()
-                                  .Arg<FloatArray4>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Index>()
                                   .Arg<FloatArray4>()
                                   .Arg<FloatArray4>()
                                   .Arg<Int32Matrix2>()

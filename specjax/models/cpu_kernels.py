@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models import layer_view
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
@@ -85,36 +87,45 @@ def reads_blocked() -> bool:
   return status().active and status().isa in BLOCKED_ISAS
 
 
-def int8_dot(q: jax.Array, kernel: jax.Array) -> jax.Array:
+def int8_dot(q: jax.Array, kernel) -> jax.Array:
   """q [M, K] int8 times kernel [N, K] int8 (an [out, in] int8 layer; in quant.block_int8's
-  layout where reads_blocked()) -> int32 [M, N], on specjax's kernel (where status().active).
-  vmap runs it once per mapped element."""
+  layout where reads_blocked()), or a layer_view.LayerOf of a stack of them, read in place ->
+  int32 [M, N], on specjax's kernel (where status().active). vmap runs it once per mapped
+  element."""
+  stack, index = layer_view.stack_and_index(kernel)
   return _call("int8_dot", jax.ShapeDtypeStruct((q.shape[0], kernel.shape[0]), jnp.int32))(
-      q, kernel)
+      q, stack, index)
 
 
-def int4_dot(q: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
+def int4_dot(q: jax.Array, packed, scale) -> jax.Array:
   """q [M, K] int8 times an int4 layer (packed uint8 [N, K / 2], scale float32 [N, K / 64]; the
-  packing is quant.pack_int4's, in quant.block_int4's layout where reads_blocked()) -> float32
-  [M, N]: sum over groups g of scale[n, g] x the exact
-  integer sum of the group, on specjax's kernel (where status().active). K a multiple of 64."""
+  packing is quant.pack_int4's, in quant.block_int4's layout where reads_blocked(); or both
+  layer_view.LayerOf of one layer's stacks, read in place) -> float32 [M, N]: sum over groups g
+  of scale[n, g] x the exact integer sum of the group, on specjax's kernel (where
+  status().active). K a multiple of 64."""
+  packed_stack, index = layer_view.stack_and_index(packed)
+  scale_stack, _ = layer_view.stack_and_index(scale)
   return _call("int4_dot", jax.ShapeDtypeStruct((q.shape[0], packed.shape[0]), jnp.float32))(
-      q, packed, scale)
+      q, packed_stack, scale_stack, index)
 
 
-def attend_each_position(q: jax.Array, k: jax.Array, v: jax.Array, k_new: jax.Array,
-                         v_new: jax.Array, positions: jax.Array, lengths: jax.Array,
-                         window: int | None = None, scale: float | None = None) -> jax.Array:
+def attend_each_position(q: jax.Array, k, v, k_new: jax.Array, v_new: jax.Array,
+                         positions: jax.Array, lengths: jax.Array, window: int | None = None,
+                         scale: float | None = None) -> jax.Array:
   """models/attention.attend_each_position on specjax's kernel (where status().active), float32
   only: q [B, T, H, Dh]; the cache's k, v [B, Hkv, S, Dh] (read only: the slots below lengths[b]
-  of row b); the block's k_new, v_new [B, T, Hkv, Dh] (slots lengths[b] .. lengths[b] + T - 1);
+  of row b), or layer_view.LayerOf of one layer of the stacked cache [L, B, Hkv, S, Dh], read in
+  place; the block's k_new, v_new [B, T, Hkv, Dh] (slots lengths[b] .. lengths[b] + T - 1);
   positions int32 [B, T] (each query sees the slots <= its own and > its own - window), lengths
   int32 [B] -> [B, T, H, Dh]. Each (row, position, key/value head) runs the same code, every sum
   in slot order, so a position's output is the same bits in a pass of any width and a cache of
   any capacity; the cache is read where it lies, never copied with the block written."""
+  index = jnp.asarray(k.index if isinstance(k, layer_view.LayerOf) else 0, jnp.int32)
+  k, v = (x.stack if isinstance(x, layer_view.LayerOf) else x for x in (k, v))
   return _call("attend", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-      q, k, v, k_new, v_new, positions.astype(jnp.int32), lengths.astype(jnp.int32),
-      window=np.int64(window or 0), scale=np.float32(1.0 if scale is None else scale))
+      q, k, v, index, k_new, v_new, positions.astype(jnp.int32),
+      lengths.astype(jnp.int32), window=np.int64(window or 0),
+      scale=np.float32(1.0 if scale is None else scale))
 
 
 def _call(name: str, result: jax.ShapeDtypeStruct):

@@ -30,15 +30,19 @@ def layer_name(i: int) -> str:
   return f"{STACKED}_{i}"
 
 
-def scan_layers(layout: str, backend: str | None = None) -> bool:
+def scan_layers(layout: str, backend: str | None = None, in_place: bool = False) -> bool:
   """A layout choice -> the models' `scan_layers`. "auto": scanned on TPU (compile time
-  independent of depth), unrolled on CPU and GPU, where XLA copies a scanned layer's weights out
-  of the stack before its matmuls (on an H200, 1.2 ms of a 1.5B model's 3.8 ms step; unrolled,
-  the step is 2.6 ms, and compiling takes 3-4x longer: docs/results.md)."""
+  independent of depth), and on the CPU where specjax's kernels read every layer's quantized
+  weights and cache in place (`in_place`: quant.reads_in_place; the scan passes them the whole
+  stacks and the layer's index, models/layer_view.py); unrolled elsewhere on the CPU and on GPU,
+  where XLA copies a scanned layer's weights out of the stack before its products (on an H200,
+  1.2 ms of a 1.5B model's 3.8 ms step; unrolled, the step is 2.6 ms, and compiling takes 3-4x
+  longer: docs/results.md)."""
   if layout not in LAYOUTS:
     raise ValueError(f"layers '{layout}' is not one of {LAYOUTS}.")
   if layout == "auto":
-    return (backend or jax.default_backend()) == "tpu"
+    backend = backend or jax.default_backend()
+    return backend == "tpu" or (backend == "cpu" and in_place)
   return layout == "scan"
 
 
@@ -148,18 +152,20 @@ def with_scan(model, scan: bool = True):
 # Running the layers.
 
 
-def run(layers, in_axes: Sequence, carry, *args, method: str = "__call__"):
+def run(layers, in_axes: Sequence, carry, *args, method: str = "__call__", take=None):
   """Calls `layers` like an `nn.scan` module: a scanned module directly; the unstacked layout (a
-  sequence of layer modules) in a Python loop that gives layer i slice i of every argument whose
-  in_axes entry is 0 (nn.broadcast ones whole), threads the carry and stacks the per-layer
-  outputs [L, ...], as scan does. Returns (carry, outputs)."""
+  sequence of layer modules) in a Python loop that gives layer i take(leaf, i) of every leaf of
+  an argument whose in_axes entry is 0 (take None: the slice leaf[i]; nn.broadcast arguments
+  whole), threads the carry and stacks the per-layer outputs [L, ...], as scan does. Returns
+  (carry, outputs)."""
   if not isinstance(layers, Sequence):
     return getattr(layers, method)(carry, *args)
   if any(axis is not nn.broadcast and axis != 0 for axis in in_axes):
     raise ValueError(f"in_axes {in_axes}: only 0 and nn.broadcast are supported.")
   outputs = []
   for i, layer in enumerate(layers):
-    sliced = [arg if axis is nn.broadcast else jax.tree_util.tree_map(lambda a: a[i], arg)
+    pick = (lambda a: a[i]) if take is None else (lambda a: take(a, i))
+    sliced = [arg if axis is nn.broadcast else jax.tree_util.tree_map(pick, arg)
               for arg, axis in zip(args, in_axes)]
     carry, out = getattr(layer, method)(carry, *sliced)
     outputs.append(out)

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import cpu_kernels, dense_layout, hf_tensors
+from specjax.models import cpu_kernels, dense_layout, hf_tensors, layer_view
 from specjax.models.hf_tensors import tree_set
 
 QUANTS = ("", "int8", "int4")   # "": the model dtype's dense layers
@@ -83,6 +83,18 @@ def rounds_activations(backend: str | None = None) -> bool:
   """Whether int8 layers on `backend` (None: jax's default) quantize their activations too
   (W8A8: the CPU) or multiply by the int8 weights alone (W8A16: accelerators). Module doc."""
   return (backend or jax.default_backend()) == "cpu"
+
+
+def reads_in_place(quant: str, layout: str) -> bool:
+  """Whether a model's `quant` layers stored in `layout` run on specjax's CPU kernels in this
+  process (int4, and int8 stored [out, in], with the CPU's W8A8 and the kernels built), which
+  then read a layer of a stacked [L, ...] leaf where it lies (models/layer_view.py), so that its
+  layers run scanned at the unrolled layout's speed (models/layers.scan_layers). Not with more
+  than one device: XLA does not partition a kernel's call, so a sharded stack passed whole
+  would be gathered whole in every layer (one layer's slice is, otherwise)."""
+  on_kernels = (jax.default_backend() == "cpu" and jax.device_count() == 1
+                and rounds_activations() and cpu_kernels.status().active)
+  return on_kernels and (quant == "int4" or (quant == "int8" and layout == dense_layout.OUT_IN))
 
 
 class QuantDense(nn.Module):
@@ -158,7 +170,7 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=Non
                     f"the params quant.quantize_params or an int8 load gives")
   contract = 1 if transposed else 0
   if not (rounds_activations() if w8a8 is None else w8a8):
-    y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (contract,)), ((), ())),
+    y = jax.lax.dot_general(x, layer_view.read(kernel).astype(x.dtype), (((x.ndim - 1,), (contract,)), ((), ())),
                             precision=precision, preferred_element_type=jnp.float32)
     return y * scale
   q, row_scale = _quantize_rows(x)                                      # [M, K], [M, 1]
@@ -186,7 +198,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, precision=Non
       y = cpu_kernels.int4_dot(q, packed, scale) * row_scale            # [M, N]
       return y.reshape(*x.shape[:-1], packed.shape[0])
     x = (q.astype(jnp.float32) * row_scale).reshape(x.shape)
-  weights = dequantize_int4(packed, scale, jnp.float32 if w4a8 else x.dtype)    # [N, K]
+  weights = dequantize_int4(layer_view.read(packed), layer_view.read(scale), jnp.float32 if w4a8 else x.dtype)    # [N, K]
   return jax.lax.dot_general(x, weights, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
 
@@ -275,6 +287,7 @@ def _integer_product(q: jax.Array, kernel: jax.Array, transposed: bool) -> jax.A
   where it is built (models/cpu_kernels.py), else XLA's product. The same integers either way."""
   if transposed and jax.default_backend() == "cpu" and cpu_kernels.status().active:
     return cpu_kernels.int8_dot(q, kernel)
+  kernel = layer_view.read(kernel)
   m = q.shape[0]
   if m == 1:                       # a one-row int8 product is XLA:CPU's slow path (docstring)
     q = jnp.concatenate([q, q], axis=0)

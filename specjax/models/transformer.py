@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import attention, head_product, layers, quant
+from specjax.models import attention, head_product, layer_view, layers, quant
 from specjax.models import kv_cache as kvc
 from specjax.models.sub_vocab import SubVocab
 
@@ -294,6 +294,7 @@ class _Attention(nn.Module):
                                            masks.lengths, a.sliding_window, scale,
                                            a.precision)                        # [B, T, H*Dh]
     else:
+      k_buf, v_buf = layer_view.read(k_buf), layer_view.read(v_buf)
       segments = [(k_buf, v_buf, masks.cache, None),                           # the cache
                   (attention.heads_first(k), attention.heads_first(v), masks.block, None)]
       ctx = attention.attend(q, segments, scale=scale, precision=a.precision)  # [B, T, H*Dh]
@@ -367,15 +368,48 @@ class Transformer(nn.Module):
       rotary = rotary_angles(a.rope.inv_freq(a.head_dim), positions, dt)
     x = x.astype(dt)                                                           # [B, T, D]
     context = (rotary, masks(a, positions, lengths, k.shape[3]))
-    if a.scan_layers:
-      blocks = _Layers(a, name=layers.STACKED)
+    in_place = reads_in_place(a)
+    if a.scan_layers and in_place and not self.is_initializing():
+      x, (new_k, new_v) = _scan_in_place(a, self.variables["params"][layers.STACKED], x, k, v,
+                                         context)
     else:
-      blocks = [Layer(a, name=layers.layer_name(i)) for i in range(a.num_layers)]
-    x, (new_k, new_v) = layers.run(blocks, _IN_AXES, x, (k, v), context)     # k, v [L,B,T,Hkv,Dh]
+      if a.scan_layers:
+        blocks = _Layers(a, name=layers.STACKED)
+      else:
+        blocks = [Layer(a, name=layers.layer_name(i)) for i in range(a.num_layers)]
+      take = _cache_in_place if in_place else None
+      x, (new_k, new_v) = layers.run(blocks, _IN_AXES, x, (k, v), context,
+                                     take=take)                                # [L,B,T,Hkv,Dh]
     hidden = norm(a, a.norm_names[2], isinstance(context[1], EachPosition))(x)  # [B, T, D]
     if select is not None:
       hidden = jnp.take_along_axis(hidden, select[:, None, None], axis=1)[:, 0]  # [B, D]
     return hidden, logits(a, hidden, embed), new_k, new_v
+
+
+def reads_in_place(a: Arch) -> bool:
+  """Whether the model's layers hand specjax's CPU kernels whole stacks and a layer index
+  (models/layer_view.py): its quantized weights and its KV cache are then read where they lie,
+  never sliced (a slice passed to a kernel is a copy). Where its products run on the kernels:
+  quant.reads_in_place."""
+  return quant.reads_in_place(a.quant, a.layout)
+
+
+def _cache_in_place(cache: jax.Array, i: int) -> layer_view.LayerOf:
+  """Layer i of the stacked cache [L,B,Hkv,S,Dh] for layers.run's unrolled loop, unsliced."""
+  return layer_view.LayerOf(cache, jnp.int32(i))
+
+
+def _scan_in_place(a: Arch, stacked: dict, x: jax.Array, k: jax.Array, v: jax.Array, context):
+  """The stacked layers under a lax.scan over the layer index, the quantized weights and the
+  cache passed to the kernels whole with the index (layer_view.in_place), where `nn.scan` would
+  slice (copy) them: x [B,T,D], k, v [L,B,Hkv,S,Dh] -> (x, (new k, new v) [L,B,T,Hkv,Dh])."""
+  layer = Layer(a, parent=None)
+
+  def body(x, i):
+    cache = (layer_view.LayerOf(k, i), layer_view.LayerOf(v, i))
+    return layer.apply({"params": layer_view.in_place(stacked, i)}, x, cache, context)
+
+  return jax.lax.scan(body, x, jnp.arange(a.num_layers, dtype=jnp.int32))
 
 
 def logits(a: Arch, hidden: jax.Array, embed: jax.Array) -> jax.Array:

@@ -4,8 +4,10 @@ Stacked (`scan_layers=True`, the default and what HF import builds): every per-l
 under one `layers` subtree with a leading [L] axis and the layers run under `nn.scan`, so the
 compiled program holds one layer whatever the depth. Unstacked (`scan_layers=False`):
 `layers_0` ... `layers_{L-1}` subtrees hold the same leaves without [L] and a Python loop runs
-them, so compile time grows with depth, but XLA:CPU reads each layer's weights where they lie
-(from a stack it copies them out first: ~3x a small model's batch-1 decode step). T5 has two
+them, so compile time grows with depth, but XLA:CPU reads each layer's float weights where they
+lie (from a stack it copies them out first: ~3x a small model's batch-1 decode step). Quantized
+layers on specjax's CPU kernels read a stack in place (models/layer_view.py), so they scan
+without the copies (`scan_layers`' "auto"). T5 has two
 stacks, `encoder/layers` and `decoder/layers`; `unstack` / `stack` convert any of them.
 """
 

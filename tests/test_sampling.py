@@ -168,3 +168,20 @@ def test_categorical_one_hot_and_single_row_equals_batch():
   batch = np.asarray(sampling.categorical(soft, keys))
   singles = [int(sampling.categorical(soft[i:i + 1], keys[i:i + 1])[0]) for i in range(5)]
   np.testing.assert_array_equal(batch, singles)
+
+
+def test_argmax_is_jnps_argmax():
+  """sampling.argmax (two plain reductions, where XLA:CPU's argmax is unvectorised) gives
+  jnp.argmax's index in every case: ties (the first), NaN (the first NaN), rows of -inf and of
+  +inf, ints; any leading shape."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((3, 4, 1000)).astype(np.float32)
+  x[0, 0, [7, 300]] = 50.0                          # a tie: the first
+  x[0, 1, [9, 500]] = np.nan                        # NaNs: the first
+  x[0, 2] = -np.inf
+  x[0, 3, [2, 3]] = np.inf
+  x[1, 0] = 0.0                                     # every entry the maximum
+  for a in (x, x[0, 0], np.round(x[2] * 3).astype(np.int32)):
+    got = jax.jit(sampling.argmax)(jnp.asarray(a))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(a), -1)))

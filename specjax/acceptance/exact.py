@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax import sampling
 from specjax.acceptance import base
 from specjax.acceptance.registry import register
 
@@ -38,15 +39,15 @@ class Greedy(base.Rule):
 
   def first_token(self, p_logits, warp, keys):
     del warp, keys
-    return jnp.argmax(p_logits, axis=-1).astype(jnp.int32)
+    return sampling.argmax(p_logits)
 
   def propose(self, q_logp, keys):
     del keys
-    return jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
+    return sampling.argmax(q_logp)
 
   def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
     del q_logp, keys
-    best = jnp.argmax(p_logp, axis=-1).astype(jnp.int32)                 # [B, K+1]
+    best = sampling.argmax(p_logp)                                       # [B, K+1]
     n = base.prefix_accepted(draft_tokens == best[:, :-1], draft_len)
     return n, base.take_position(best, n), rule_state
 
@@ -68,7 +69,7 @@ class HFGreedyDraft(base.Rule):
 
   def propose(self, q_logp, keys):
     del keys
-    return jnp.argmax(q_logp, axis=-1).astype(jnp.int32)
+    return sampling.argmax(q_logp)
 
   def verify(self, draft_tokens, draft_len, q_logp, p_logp, keys, rule_state):
     n, nxt = base.rejection_verify(draft_tokens, draft_len, q_logp, p_logp, keys, _identity)

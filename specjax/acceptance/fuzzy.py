@@ -124,7 +124,7 @@ class Fuzzy(base.Rule):
     warped, _ = self._split(q_logp)
     if self.sample_draft:
       return sampling.categorical(warped, keys)
-    return jnp.argmax(warped, axis=-1).astype(jnp.int32)
+    return sampling.argmax(warped)
 
   # ---------------------------------------------------------------- verification
 

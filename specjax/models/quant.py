@@ -160,8 +160,8 @@ def quantized_logits(hidden: jax.Array, vocab_size: int, quant: str, subset=None
 
 def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=None,
                 w8a8: bool | None = None, transposed: bool = False) -> jax.Array:
-  """x [..., K] (float) times kernel [K, N] int8 ([N, K] when `transposed`) with scale [N] ->
-  float32 [..., N]. W8A8 (w8a8 None: rounds_activations(), the CPU): each row of x quantized
+  """x [..., K] (float) times kernel [K, N] int8 ([N, K] when `transposed`; or a
+  layer_view.LayerOf of a stack of them) with scale [N] -> float32 [..., N]. W8A8 (w8a8 None: rounds_activations(), the CPU): each row of x quantized
   with its own absmax scale, the product accumulated in int32. Weight-only: the kernel converted
   to x's dtype (int8 values are exact in bfloat16) inside a product at `precision` accumulated
   in float32, times the scale."""
@@ -170,8 +170,9 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=Non
                     f"the params quant.quantize_params or an int8 load gives")
   contract = 1 if transposed else 0
   if not (rounds_activations() if w8a8 is None else w8a8):
-    y = jax.lax.dot_general(x, layer_view.read(kernel).astype(x.dtype), (((x.ndim - 1,), (contract,)), ((), ())),
-                            precision=precision, preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(x, layer_view.read(kernel).astype(x.dtype),
+                            (((x.ndim - 1,), (contract,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
     return y * scale
   q, row_scale = _quantize_rows(x)                                      # [M, K], [M, 1]
   acc = _integer_product(q, kernel, transposed)                         # [M, N] int32
@@ -182,7 +183,8 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, precision=Non
 def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, precision=None,
                 w4a8: bool | None = None) -> jax.Array:
   """x [..., K] (float) times an int4 layer (packed uint8 [N, K / 2], scale [N, K / GROUP]:
-  pack_int4's, in block_int4's layout where blocked_layout()) -> float32 [..., N]. W4A8 (w4a8 None: rounds_activations(), the CPU): each row
+  pack_int4's, in block_int4's layout where blocked_layout(); or layer_view.LayerOf of their
+  stacks) -> float32 [..., N]. W4A8 (w4a8 None: rounds_activations(), the CPU): each row
   of x quantized to int8 with its own absmax scale, each group's product summed exactly in int32
   and scaled, on specjax's CPU kernel (models/cpu_kernels.py). Elsewhere, and where that kernel
   is not built, the weights are dequantized inside the step and multiplied in float32 at
@@ -198,7 +200,8 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, precision=Non
       y = cpu_kernels.int4_dot(q, packed, scale) * row_scale            # [M, N]
       return y.reshape(*x.shape[:-1], packed.shape[0])
     x = (q.astype(jnp.float32) * row_scale).reshape(x.shape)
-  weights = dequantize_int4(layer_view.read(packed), layer_view.read(scale), jnp.float32 if w4a8 else x.dtype)    # [N, K]
+  weights = dequantize_int4(layer_view.read(packed), layer_view.read(scale),
+                            jnp.float32 if w4a8 else x.dtype)                    # [N, K]
   return jax.lax.dot_general(x, weights, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
 

@@ -21,8 +21,8 @@ back row is re-extended at the right positions. The KV cache holds the key/value
 The layers are stacked ([L] leading axis) and run under `nn.scan`, or unrolled (layers_0 ...,
 faster for float weights on XLA:CPU): models/layers.py. Where specjax's CPU kernels run the
 quantized products, the stacked layers run under a lax.scan that hands the kernels the whole
-weight stacks and cache with the layer's index (`_scan_in_place`), so nothing is copied. Kernels are [in, out], or [out, in] with layout="out_in"
-(models/dense_layout.py).
+weight stacks and cache with the layer's index (`_scan_in_place`), so nothing is copied.
+Kernels are [in, out], or [out, in] with layout="out_in" (models/dense_layout.py).
 """
 
 from __future__ import annotations

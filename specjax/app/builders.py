@@ -10,6 +10,8 @@ here.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import types
 import typing
 from typing import Any, Mapping
@@ -26,6 +28,8 @@ from specjax.distill.trainer import TrainConfig
 from specjax.models import decoder, dense_layout, t5
 from specjax.models import quant as quant_lib
 from specjax.models import layers as model_layers
+
+log = logging.getLogger(__name__)
 
 
 def typed(cls, values: Mapping[str, Any], where: str, **fixed):
@@ -121,7 +125,39 @@ def section(config, name: str) -> dict:
 # ----------------------------------------------------------------------------------- decoding
 
 def decode_settings(config) -> DecodeSettings:
-  return typed(DecodeSettings, section(config, "decode"), "decode")
+  """The `decode` section typed, with `gamma="auto"` resolved for this machine (auto_blocks)."""
+  values = section(config, "decode")
+  if values.get("gamma") == "auto":
+    gamma, confidence = auto_blocks(str(section(config, "target").get("quant", "")))
+    values["gamma"] = gamma
+    if not values.get("draft_confidence"):
+      values["draft_confidence"] = confidence
+  return typed(DecodeSettings, values, "decode")
+
+
+AUTO_WIDE = (7, 0.7)       # (gamma, draft_confidence) where a wide verify pass is cheap
+AUTO_NARROW = (3, 0.0)     # elsewhere
+
+
+@functools.cache
+def auto_blocks(target_quant: str) -> tuple[int, float]:
+  """`decode.gamma="auto"` -> (gamma, draft_confidence) for this machine, said once in the log.
+
+  Drafting up to 7 tokens until the draft is unsure (draft_confidence 0.7) verifies up to 8
+  positions a block; it pays where a target pass of 8 positions costs about one step's: a
+  quantized target on specjax's AVX-512 VNNI kernel (quant.blocked_layout(); target quant "auto",
+  "int8" or "int4"). Elsewhere, where such a pass costs up to twice a step (the AVX2 kernel,
+  float32 on XLA:CPU) or where it is not measured (accelerators), gamma 3 with fixed blocks.
+  A draft_confidence set in the config is kept (docs/results.md, "Drafting until the draft is
+  unsure")."""
+  wide = bool(target_quant) and quant_lib.blocked_layout()
+  gamma, confidence = AUTO_WIDE if wide else AUTO_NARROW
+  why = ("the target's quantized products run on specjax's VNNI kernel, where a pass of 8 "
+         "positions costs about one step's" if wide else
+         "no quantized target on specjax's VNNI kernel here, so wide verify passes cost more")
+  log.info("decode.gamma auto: gamma %d%s (%s)", gamma,
+           f", draft_confidence {confidence}" if confidence else "", why)
+  return gamma, confidence
 
 
 def rule(config, **fixed):

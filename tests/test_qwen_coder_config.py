@@ -23,6 +23,9 @@ def test_config_sections_are_typed():
                                                    "pypi:qwen-coder/draft")
   assert all(p.endswith('"""\n') for p in config.prompts)
   assert (target.quant, draft.quant) == ("auto", "auto")        # int8 where it measures faster
+  assert builders.section(config, "draft")["vocab_top_k"] == 32768
+  edit = load_config("qwen_coder_edit.py", [])       # prompt lookup: no head to cut
+  assert builders.section(edit, "draft")["vocab_top_k"] == 0
 
 
 def test_quant_flags_keep_float32():
@@ -42,12 +45,13 @@ def blocked(monkeypatch):
 
 
 @pytest.mark.parametrize("vnni, target_quant, want", [
-    (True, "auto", (7, 0.7)), (True, "int8", (7, 0.7)), (False, "auto", (3, 0.0)),
-    (True, "", (3, 0.0))])
+    (True, "auto", (7, 0.7)), (True, "int8", (7, 0.7)), (False, "auto", (3, 0.7)),
+    (True, "", (3, 0.7))])
 def test_gamma_auto_drafts_until_unsure_where_wide_verify_passes_are_cheap(
     blocked, vnni, target_quant, want):
-  """decode.gamma "auto" (the main command's): gamma 7 and draft_confidence 0.7 where a quantized
-  target runs on the VNNI kernel, gamma 3 with fixed blocks elsewhere (a float32 target)."""
+  """decode.gamma "auto" (the main command's): blocks end where the draft is unsure (0.7), of at
+  most 7 drafts where a quantized target runs on the VNNI kernel, 3 elsewhere (a float32
+  target)."""
   blocked(vnni)
   config = load_config("qwen_coder.py", [f"--config.target.quant={target_quant}"])
   settings = builders.decode_settings(config)
@@ -62,6 +66,9 @@ def test_a_set_gamma_or_confidence_replaces_the_auto_choice(blocked):
   config = load_config("qwen_coder.py", ["--config.decode.gamma=5"])
   settings = builders.decode_settings(config)
   assert (settings.gamma, settings.draft_confidence) == (5, 0.0)
+  config = load_config("qwen_coder.py", ["--config.rule.name=slem"])   # a loop of its own
+  settings = builders.decode_settings(config)
+  assert (settings.gamma, settings.draft_confidence) == (7, 0.0)
 
 
 class _Tokenizer:

@@ -21,6 +21,7 @@ import jax
 from specjax import checkpoint as ckpt_lib
 from specjax.acceptance import registry
 from specjax.api.loading import DTYPES
+from specjax.api import methods as api_methods
 from specjax.api.methods import DecodeSettings
 from specjax.app.config import ConfigError
 from specjax.distill import data as distill_data
@@ -130,33 +131,34 @@ def decode_settings(config) -> DecodeSettings:
   if values.get("gamma") == "auto":
     gamma, confidence = auto_blocks(str(section(config, "target").get("quant", "")))
     values["gamma"] = gamma
-    if not values.get("draft_confidence"):
+    # a method named as the rule (slem, slrs, sprinter) drafts in a loop of its own
+    own_loop = section(config, "rule").get("name", "") in api_methods.names()
+    if not values.get("draft_confidence") and not own_loop:
       values["draft_confidence"] = confidence
   return typed(DecodeSettings, values, "decode")
 
 
 AUTO_WIDE = (7, 0.7)       # (gamma, draft_confidence) where a wide verify pass is cheap
-AUTO_NARROW = (3, 0.0)     # elsewhere
+AUTO_NARROW = (3, 0.7)     # elsewhere
 
 
 @functools.cache
 def auto_blocks(target_quant: str) -> tuple[int, float]:
   """`decode.gamma="auto"` -> (gamma, draft_confidence) for this machine, said once in the log.
 
-  Drafting up to 7 tokens until the draft is unsure (draft_confidence 0.7) verifies up to 8
-  positions a block; it pays where a target pass of 8 positions costs about one step's: a
-  quantized target on specjax's AVX-512 VNNI kernel (quant.blocked_layout(); target quant "auto",
-  "int8" or "int4"). Elsewhere, where such a pass costs up to twice a step (the AVX2 kernel,
-  float32 on XLA:CPU) or where it is not measured (accelerators), gamma 3 with fixed blocks.
-  A draft_confidence set in the config is kept (docs/results.md, "Drafting until the draft is
-  unsure")."""
+  A block drafts until the draft is unsure (draft_confidence 0.7) and at most gamma tokens, and
+  the target verifies it at the narrowest of the widths 2, 4, 8 that holds it. gamma 7 (passes
+  of up to 8 positions) where such a pass costs about one step's: a quantized target on
+  specjax's AVX-512 VNNI kernel (quant.blocked_layout(); target quant "auto", "int8" or "int4").
+  Elsewhere gamma 3 (up to 4 positions): on the AVX2 kernel a pass of 8 costs about two steps,
+  a float32 target's passes grow with their width on XLA:CPU, and accelerators are not measured.
+  A draft_confidence set in the config is kept (docs/results.md, "gamma auto")."""
   wide = bool(target_quant) and quant_lib.blocked_layout()
   gamma, confidence = AUTO_WIDE if wide else AUTO_NARROW
   why = ("the target's quantized products run on specjax's VNNI kernel, where a pass of 8 "
          "positions costs about one step's" if wide else
-         "no quantized target on specjax's VNNI kernel here, so wide verify passes cost more")
-  log.info("decode.gamma auto: gamma %d%s (%s)", gamma,
-           f", draft_confidence {confidence}" if confidence else "", why)
+         "no quantized target on specjax's VNNI kernel here: verify passes of up to 4 positions")
+  log.info("decode.gamma auto: gamma %d, draft_confidence %s (%s)", gamma, confidence, why)
   return gamma, confidence
 
 

@@ -191,7 +191,8 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
   if lookup is not None:
     if drafter_settings(config, draft_role).vocab_top_k:
       raise ConfigError(f"--config.{draft_role}.vocab_top_k: prompt lookup has no draft head to "
-                        f"cut; drop it or draft with a model (--config.{draft_role}.method)")
+                        f"cut; set --config.{draft_role}.vocab_top_k=0 or draft with a model "
+                        f"(--config.{draft_role}.method)")
     refusal = lookup.refusal(cls)
     if refusal:
       raise ConfigError(f"{refusal} (--config.rule.name; --config.{draft_role}.method=ngram)")

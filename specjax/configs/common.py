@@ -30,8 +30,8 @@ def draft(checkpoint: str, dtype: str = "float32", **fields) -> ml_collections.C
   tokens matched in the prompt and the output; "early_exit": the target's first exit_layer
   layers with its head). vocab_top_k > 0: the draft's head scores only its K most frequent ids
   in the stdlib corpus (FR-Spec; exact SD stays lossless)."""
-  return model(checkpoint, dtype, method="model", ngram_max=3, ngram_min=1, exit_layer=0,
-               vocab_top_k=0, **fields)
+  drafter = dict(method="model", ngram_max=3, ngram_min=1, exit_layer=0, vocab_top_k=0)
+  return model(checkpoint, dtype, **{**drafter, **fields})
 
 
 def embedded_pair(config: ml_collections.ConfigDict, pair: str) -> None:

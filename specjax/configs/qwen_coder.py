@@ -24,6 +24,10 @@ docs/results.md); the start-up lines say which, with the measured costs.
 model is width-invariant, so greedy SD writes the int8 target's own tokens (docs/results.md).
 Greedy decoding (temperature 0) with the `greedy` rule gives the target's own greedy text;
 `exact` with temperature > 0 samples from the target's distribution.
+
+Blocks: `decode.gamma="auto"` (app/builders.auto_blocks; a number replaces it). The draft scores
+its 32,768 most frequent ids (`--config.draft.vocab_top_k=0`: its full head; prompt lookup,
+`--config.draft.method=ngram`, needs 0).
 """
 
 import ml_collections
@@ -42,10 +46,12 @@ PROMPTS = (
 def get_config():
   c = ml_collections.ConfigDict()
   c.target = common.model("pypi:qwen-coder/target", quant="auto")
-  c.draft = common.draft("pypi:qwen-coder/draft", quant="auto")
+  # the draft's head cut to its 32,768 most frequent ids (FR-Spec; lossless, docs/results.md)
+  c.draft = common.draft("pypi:qwen-coder/draft", quant="auto", vocab_top_k=32768)
   c.rule = common.rule("greedy")
-  # gamma "auto": 7 with draft_confidence 0.7 where specjax's VNNI kernel runs the int8 target
-  # (a pass of 8 positions costs about a step), 3 elsewhere (app/builders.auto_blocks)
+  # gamma "auto": blocks end where the draft is unsure (draft_confidence 0.7), of at most 7 drafts
+  # where specjax's VNNI kernel runs the int8 target (a pass of 8 positions costs about a
+  # step), 3 elsewhere (app/builders.auto_blocks)
   c.decode = common.decode(gamma="auto", temperature=0.0, max_new_tokens=64)
   c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
   c.distributed = common.distributed()

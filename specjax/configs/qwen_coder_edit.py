@@ -49,6 +49,7 @@ PROMPTS = (
 
 def get_config():
   c = qwen_coder.get_config()
+  c.draft.vocab_top_k = 0        # prompt lookup, this config's drafter, has no head to cut
   c.decode = common.decode(gamma=4, temperature=0.0, max_new_tokens=128, chat=True)
   c.prompts = list(PROMPTS)
   return c

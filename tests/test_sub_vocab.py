@@ -129,9 +129,22 @@ def test_the_config_flag_names_itself(monkeypatch):
   from specjax.app import methods
   monkeypatch.setattr(methods, "load_placed", lambda *a, **k: _draft())
   monkeypatch.setattr(methods.resolve, "checkpoint_dir", lambda spec: None)   # no fetch or build
-  config = load_config("tiny.py", ["--config.draft.vocab_top_k=99"])
-  with pytest.raises(ConfigError, match="--config.draft.vocab_top_k=99: choose a whole number"):
+  config = load_config("tiny.py", ["--config.draft.vocab_top_k=-1"])
+  with pytest.raises(ConfigError, match="--config.draft.vocab_top_k=-1: choose a whole number"):
     speculative(config)
   config = load_config("tiny.py", ["--config.draft.method=ngram", "--config.draft.vocab_top_k=8"])
   with pytest.raises(ConfigError, match="prompt lookup has no draft head"):
     speculative(config)
+
+
+def test_a_config_k_of_the_whole_vocabulary_keeps_the_full_head(monkeypatch, caplog):
+  """A config's K at least the draft's vocabulary (qwen_coder.py's 32768 on a smaller stand-in)
+  cuts nothing: the draft keeps its head, and the log says so."""
+  from specjax.app import methods
+  draft = _draft()
+  monkeypatch.setattr(methods, "load_placed", lambda *a, **k: draft)
+  monkeypatch.setattr(methods.resolve, "checkpoint_dir", lambda spec: None)
+  config = load_config("tiny.py", ["--config.draft.vocab_top_k=16"])
+  with caplog.at_level("INFO", logger="specjax.app.methods"):
+    assert speculative(config).draft.model.config.head_subset is None
+  assert "vocab_top_k=16 covers all 16 ids of the draft: its full head" in caplog.text

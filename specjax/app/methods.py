@@ -14,6 +14,7 @@ String-level methods run on one device.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from specjax import sharding
 from specjax.acceptance import registry
@@ -30,6 +31,8 @@ from specjax.app import builders, resolve
 from specjax.app.config import ConfigError
 from specjax.drafting import NGram
 from specjax.sprinter import verifier as sprinter_verifier
+
+log = logging.getLogger(__name__)
 
 
 def method_name(config, draft_role: str = "draft") -> str:
@@ -105,13 +108,23 @@ def _load_pair(config, target_role: str, draft_role: str, mesh=None):
 def _draft_head(config, role: str, draft: LoadedModel, mesh) -> LoadedModel:
   """The draft with its head cut to `vocab_top_k` ids when the section asks (0: as it is)."""
   k = drafter_settings(config, role).vocab_top_k
-  if not k:
+  if not k or _keeps_every_id(k, draft.model.vocab_size, role):
     return draft
   try:
     draft = sub_vocab(draft, k, flag=f"--config.{role}.vocab_top_k")
   except UsageError as err:
     raise ConfigError(str(err)) from None
   return api_methods.placed(draft, mesh, False, f"the {role} model")
+
+
+def _keeps_every_id(k: int, vocab: int, role: str) -> bool:
+  """Whether a config's vocab_top_k covers the whole vocabulary (a config's default K on a
+  smaller model): the full head, said in the log."""
+  if isinstance(k, int) and k >= vocab:
+    log.info("--config.%s.vocab_top_k=%d covers all %d ids of the %s: its full head", role, k,
+             vocab, role)
+    return True
+  return False
 
 
 def autoregressive(config, target_role: str = "target", draft_role: str = "draft"):
@@ -235,7 +248,7 @@ def _head_method(config, role: str, mesh, rule_cls) -> Speculative:
   k = drafter_settings(config, role).vocab_top_k
   try:
     head = draft_head(target, path, flag)
-    if k:
+    if k and not _keeps_every_id(k, target.model.vocab_size, role):
       head = sub_vocab(head, k, flag=f"--config.{role}.vocab_top_k", target=target)
   except UsageError as err:
     raise ConfigError(str(err)) from None

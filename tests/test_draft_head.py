@@ -249,9 +249,11 @@ def test_the_config_flag_cuts_the_head(monkeypatch):
   monkeypatch.setattr(methods, "draft_head", lambda *a, **k: full)
   monkeypatch.setattr(methods, "check_head_dir", lambda *a: None)       # "somewhere" is fake
   args = ["--config.draft.method=head", "--config.draft.checkpoint=somewhere"]
-  config = load_config("tiny.py", [*args, "--config.draft.vocab_top_k=99"])
-  with pytest.raises(ConfigError, match="--config.draft.vocab_top_k=99: choose a whole number"):
+  config = load_config("tiny.py", [*args, "--config.draft.vocab_top_k=-1"])
+  with pytest.raises(ConfigError, match="--config.draft.vocab_top_k=-1: choose a whole number"):
     methods.build(config)
+  whole = methods.build(load_config("tiny.py", [*args, "--config.draft.vocab_top_k=99"]))
+  assert whole.draft is full                     # K covers the vocabulary: the head as it is
   monkeypatch.setattr(methods, "sub_vocab", lambda head, k, flag, target: specjax.sub_vocab(
       head, k, counts=np.ones(32), flag=flag, target=target))       # no corpus to count
   method = methods.build(load_config("tiny.py", [*args, "--config.draft.vocab_top_k=5"]))

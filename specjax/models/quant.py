@@ -280,7 +280,12 @@ def take_rows(leaf: jax.Array, ids) -> jax.Array:
   ids = jnp.asarray(ids)
   if leaf.ndim != 2 or not blocked_layout():
     return jnp.take(leaf, ids, axis=0)
-  width = 4 if leaf.dtype in (jnp.int8, jnp.uint8) else 1
+  return _take_blocked(leaf, ids, 4 if leaf.dtype in (jnp.int8, jnp.uint8) else 1)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take_blocked(leaf: jax.Array, ids: jax.Array, width: int) -> jax.Array:
+  # one compiled program (a load's: op by op, its reorderings took most of a second)
   return _block(jnp.take(_unblock(leaf, width), ids, axis=0), width)
 
 

@@ -36,30 +36,35 @@ def test_quant_flags_keep_float32():
 
 
 @pytest.fixture
-def blocked(monkeypatch):
-  """Sets whether specjax's VNNI kernel (its blocked layout) runs here; auto_blocks's cache is
-  cleared around the test."""
+def kernel(monkeypatch):
+  """Sets which build of specjax's CPU kernel runs here: "vnni" (its blocked layout), "avx2" or
+  None (no kernel); auto_blocks's cache is cleared around the test."""
   builders.auto_blocks.cache_clear()
-  yield lambda value: monkeypatch.setattr(quant, "blocked_layout", lambda: value)
+
+  def runs(build):
+    monkeypatch.setattr(quant, "kernel_products", lambda: build is not None)
+    monkeypatch.setattr(quant, "blocked_layout", lambda: build == "vnni")
+  yield runs
   builders.auto_blocks.cache_clear()
 
 
-@pytest.mark.parametrize("vnni, target_quant, want", [
-    (True, "auto", (7, 0.7)), (True, "int8", (7, 0.7)), (False, "auto", (3, 0.7)),
-    (True, "", (3, 0.7))])
+@pytest.mark.parametrize("build, target_quant, want", [
+    ("vnni", "auto", (7, 0.7)), ("vnni", "int8", (7, 0.7)), ("avx2", "auto", (4, 0.8)),
+    ("avx2", "int4", (4, 0.8)), (None, "auto", (3, 0.7)), ("vnni", "", (3, 0.7)),
+    ("avx2", "", (3, 0.7))])
 def test_gamma_auto_drafts_until_unsure_where_wide_verify_passes_are_cheap(
-    blocked, vnni, target_quant, want):
-  """decode.gamma "auto" (the main command's): blocks end where the draft is unsure (0.7), of at
-  most 7 drafts where a quantized target runs on the VNNI kernel, 3 elsewhere (a float32
-  target)."""
-  blocked(vnni)
+    kernel, build, target_quant, want):
+  """decode.gamma "auto" (the main command's): blocks end where the draft is unsure, of at most
+  7 drafts (0.7) where a quantized target runs on the VNNI kernel, 4 (0.8) on the kernel's AVX2
+  build, 3 (0.7) elsewhere (a float32 target, no kernel)."""
+  kernel(build)
   config = load_config("qwen_coder.py", [f"--config.target.quant={target_quant}"])
   settings = builders.decode_settings(config)
   assert (settings.gamma, settings.draft_confidence) == want
 
 
-def test_a_set_gamma_or_confidence_replaces_the_auto_choice(blocked):
-  blocked(True)
+def test_a_set_gamma_or_confidence_replaces_the_auto_choice(kernel):
+  kernel("vnni")
   config = load_config("qwen_coder.py", ["--config.decode.draft_confidence=0.5"])
   settings = builders.decode_settings(config)
   assert (settings.gamma, settings.draft_confidence) == (7, 0.5)

@@ -139,6 +139,7 @@ def decode_settings(config) -> DecodeSettings:
 
 
 AUTO_WIDE = (7, 0.7)       # (gamma, draft_confidence) where a wide verify pass is cheap
+AUTO_KERNEL = (4, 0.8)     # specjax's kernel without VNNI: a wide pass costs about two steps
 AUTO_NARROW = (3, 0.7)     # elsewhere
 
 
@@ -146,18 +147,25 @@ AUTO_NARROW = (3, 0.7)     # elsewhere
 def auto_blocks(target_quant: str) -> tuple[int, float]:
   """`decode.gamma="auto"` -> (gamma, draft_confidence) for this machine, said once in the log.
 
-  A block drafts until the draft is unsure (draft_confidence 0.7) and at most gamma tokens, and
-  the target verifies it at the narrowest of the widths 2, 4, 8 that holds it. gamma 7 (passes
-  of up to 8 positions) where such a pass costs about one step's: a quantized target on
-  specjax's AVX-512 VNNI kernel (quant.blocked_layout(); target quant "auto", "int8" or "int4").
-  Elsewhere gamma 3 (up to 4 positions): on the AVX2 kernel a pass of 8 costs about two steps,
-  a float32 target's passes grow with their width on XLA:CPU, and accelerators are not measured.
-  A draft_confidence set in the config is kept (docs/results.md, "gamma auto")."""
-  wide = bool(target_quant) and quant_lib.blocked_layout()
-  gamma, confidence = AUTO_WIDE if wide else AUTO_NARROW
-  why = ("the target's quantized products run on specjax's VNNI kernel, where a pass of 8 "
-         "positions costs about one step's" if wide else
-         "no quantized target on specjax's VNNI kernel here: verify passes of up to 4 positions")
+  A block drafts until the draft is unsure (its top probability below draft_confidence) and at
+  most gamma tokens, and the target verifies it at the narrowest of the widths 2, 4, 8 that
+  holds it. With a quantized target (quant "auto", "int8" or "int4") on specjax's CPU kernel:
+  gamma 7 with 0.7 where the kernel is the AVX-512 VNNI build (quant.blocked_layout()), whose
+  pass of 8 positions costs about one step's; gamma 4 with 0.8 on its other builds (AVX2), where
+  a pass of 8 costs about two steps, so blocks are shorter and end sooner. Elsewhere gamma 3
+  with 0.7: a float32 target's passes grow with their width on XLA:CPU, and accelerators are not
+  measured. A draft_confidence set in the config is kept (docs/results.md, "gamma auto")."""
+  kernel = bool(target_quant) and quant_lib.kernel_products()
+  if kernel and quant_lib.blocked_layout():
+    (gamma, confidence), why = AUTO_WIDE, ("the target's quantized products run on specjax's "
+                                           "VNNI kernel, where a pass of 8 positions costs "
+                                           "about one step's")
+  elif kernel:
+    (gamma, confidence), why = AUTO_KERNEL, ("the target's quantized products run on specjax's "
+                                             "kernel without VNNI, where a pass of 8 positions "
+                                             "costs about two steps")
+  else:
+    (gamma, confidence), why = AUTO_NARROW, "no quantized target on specjax's CPU kernel here"
   log.info("decode.gamma auto: gamma %d, draft_confidence %s (%s)", gamma, confidence, why)
   return gamma, confidence
 

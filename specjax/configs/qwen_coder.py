@@ -49,9 +49,9 @@ def get_config():
   # the draft's head cut to its 32,768 most frequent ids (FR-Spec; lossless, docs/results.md)
   c.draft = common.draft("pypi:qwen-coder/draft", quant="auto", vocab_top_k=32768)
   c.rule = common.rule("greedy")
-  # gamma "auto": blocks end where the draft is unsure (draft_confidence 0.7), of at most 7 drafts
-  # where specjax's VNNI kernel runs the int8 target (a pass of 8 positions costs about a
-  # step), 3 elsewhere (app/builders.auto_blocks)
+  # gamma "auto": blocks end where the draft is unsure, of at most 7 drafts (confidence 0.7) where
+  # specjax's VNNI kernel runs the int8 target (a pass of 8 positions costs about a step), 4
+  # (0.8) on its AVX2 build, 3 (0.7) elsewhere (app/builders.auto_blocks)
   c.decode = common.decode(gamma="auto", temperature=0.0, max_new_tokens=64)
   c.mesh = common.mesh(1, 1)        # one device; --config.mesh.* to shard
   c.distributed = common.distributed()

@@ -196,7 +196,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, precision=Non
   w4a8 = rounds_activations() if w4a8 is None else w4a8
   if w4a8:
     q, row_scale = _quantize_rows(x)                                    # [M, K], [M, 1]
-    if jax.default_backend() == "cpu" and cpu_kernels.status().active:
+    if kernel_products():
       y = cpu_kernels.int4_dot(q, packed, scale) * row_scale            # [M, N]
       return y.reshape(*x.shape[:-1], packed.shape[0])
     x = (q.astype(jnp.float32) * row_scale).reshape(x.shape)
@@ -212,6 +212,12 @@ def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   amax = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)                 # [M, 1]
   row_scale = jnp.where(amax > 0, amax / _QMAX, 1.0)
   return jnp.round(rows / row_scale).astype(jnp.int8), row_scale
+
+
+def kernel_products() -> bool:
+  """Whether int8 products of [out, in] kernels and int4 layers run on specjax's CPU kernel in
+  this process: jax's default backend is the CPU and the kernel is built (any instruction set)."""
+  return jax.default_backend() == "cpu" and cpu_kernels.status().active
 
 
 def blocked_layout() -> bool:
@@ -293,7 +299,7 @@ def _integer_product(q: jax.Array, kernel: jax.Array, transposed: bool) -> jax.A
   """q [M, K] int8 times an int8 kernel ([K, N], or [N, K] when `transposed`: in block_int8's
   layout where blocked_layout()) -> int32 [M, N]: specjax's CPU kernel for an [out, in] kernel
   where it is built (models/cpu_kernels.py), else XLA's product. The same integers either way."""
-  if transposed and jax.default_backend() == "cpu" and cpu_kernels.status().active:
+  if transposed and kernel_products():
     return cpu_kernels.int8_dot(q, kernel)
   kernel = layer_view.read(kernel)
   m = q.shape[0]

@@ -55,10 +55,10 @@ constexpr int64_t kL1Bytes = 16 << 10;  // activations up to this size are read 
 constexpr int64_t kTileBytes = 256 << 10;   // a prompt product's weight tile, in L2
 
 // The weights stream from memory once per pass, and a core's bandwidth is the cache misses it
-// keeps in flight over the memory's latency. The hardware prefetchers alone keep too few in
-// flight on some server cores (the Intel Xeons this was measured on), where a verify pass's more
-// arithmetic per byte then slows the stream too. So each loop that streams weights asks for the
-// bytes kAhead ahead of where it reads, into L2 (at most every 64-byte line once).
+// keeps in flight over the memory's latency. On some server cores (an Intel Xeon, for one) the
+// hardware prefetchers alone keep too few in flight, and a verify pass's extra arithmetic per
+// byte then slows the stream itself. So each loop that streams weights asks for the bytes kAhead
+// ahead of where it reads, into L2, once per 64-byte line.
 constexpr int64_t kAhead = 4 << 10;
 inline void Ahead(const void* p) {
   __builtin_prefetch(static_cast<const char*>(p) + kAhead, 0, 2);

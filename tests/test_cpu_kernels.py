@@ -5,6 +5,7 @@ in a pass of any width; and a clear account of which kernel runs when they canno
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 
@@ -322,3 +323,27 @@ def test_a_layer_of_a_stack_is_read_in_place():
                                           lengths)))
   with pytest.raises(jax.errors.JaxRuntimeError, match="layer index out of range"):
     jax.block_until_ready(jax.jit(lambda i: cpu_kernels.int8_dot(q, LayerOf(int8, i)))(3))
+
+
+def test_a_float_model_never_builds_the_kernels(monkeypatch):
+  """Training or decoding a float model never asks for the kernels (status() compiles them on
+  first use, seconds of C++): a prefill and a two-position pass run with status() broken,
+  scanned and unrolled; a quantized format still asks."""
+  from specjax.models import Prompt, decoder
+
+  def no_kernels():
+    raise AssertionError("a float model asked for specjax's CPU kernels")
+
+  monkeypatch.setattr(cpu_kernels, "status", no_kernels)
+  cfg = decoder.DecoderConfig(vocab_size=64, n_positions=32, d_model=32, num_layers=2,
+                              num_heads=4, d_ff=64, bos_token_id=1, eos_token_id=1,
+                              pad_token_id=0)
+  for scan in (True, False):
+    model = decoder.Decoder(dataclasses.replace(cfg, scan_layers=scan))
+    params = model.init_params(jax.random.PRNGKey(0))
+    logits, _, cache = model.prefill(params, Prompt.from_lists([[1, 5, 7]]),
+                                     model.init_cache(1, 16))
+    step = model.extend(params, jnp.asarray([[9, 3]], jnp.int32), cache)[0]   # a 2-wide pass
+    assert logits.shape == (1, 64) and np.isfinite(np.asarray(step)).all()
+  with pytest.raises(AssertionError, match="asked for"):
+    quant.reads_in_place("int4", "out_in")

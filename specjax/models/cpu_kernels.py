@@ -20,10 +20,11 @@ of keys, which cost a 4-position verify pass of the 1.5B target about 10 ms; the
 
 Building: the first use compiles cpu_kernels.cc with $CXX (else c++ or g++) at -O3 -march=native
 against jax's FFI headers, into CACHE/kernels/ under a key of the source, the compiler's
-version, the CPU's flags and jaxlib's version (CACHE: $SPECJAX_CACHE, else ~/.cache/specjax). A
-couple of seconds, once. $SPECJAX_KERNEL_MARCH, if set, replaces -march=native (e.g.
-"haswell": the AVX2 build on an AVX-512 machine, with XLA_FLAGS=--xla_cpu_max_isa=AVX2 for XLA's
-own code, to see what a CPU without AVX-512 runs). $SPECJAX_INT8_KERNEL chooses for all three:
+version, the CPU's flags and jaxlib's version (CACHE: $SPECJAX_CACHE, else ~/.cache/specjax).
+3-15 s by the CPU, once; only a quantized model asks for it (quant.reads_in_place).
+$SPECJAX_KERNEL_MARCH, if set, replaces -march=native (e.g. "haswell": the AVX2 build on an
+AVX-512 machine, with XLA_FLAGS=--xla_cpu_max_isa=AVX2 for XLA's own code, to see what a CPU
+without AVX-512 runs). $SPECJAX_INT8_KERNEL chooses for all three:
 "xla" (XLA's int8 product, int4 weights dequantized in each step, XLA's loop per position),
 "specjax" (these kernels; an error when they cannot be built), unset: these kernels when they
 build, else XLA's with a warning that says why and what to install.

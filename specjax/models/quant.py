@@ -92,9 +92,10 @@ def reads_in_place(quant: str, layout: str) -> bool:
   layers run scanned at the unrolled layout's speed (models/layers.scan_layers). Not with more
   than one device: XLA does not partition a kernel's call, so a sharded stack passed whole
   would be gathered whole in every layer (one layer's slice is, otherwise)."""
-  on_kernels = (jax.default_backend() == "cpu" and jax.device_count() == 1
-                and rounds_activations() and cpu_kernels.status().active)
-  return on_kernels and (quant == "int4" or (quant == "int8" and layout == dense_layout.OUT_IN))
+  # The format first: a float model never builds the kernels (status() compiles them).
+  kernel_format = quant == "int4" or (quant == "int8" and layout == dense_layout.OUT_IN)
+  return (kernel_format and jax.default_backend() == "cpu" and jax.device_count() == 1
+          and rounds_activations() and cpu_kernels.status().active)
 
 
 class QuantDense(nn.Module):

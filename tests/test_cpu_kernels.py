@@ -5,8 +5,10 @@ in a pass of any width; and a clear account of which kernel runs when they canno
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
+import platform
 import shutil
 
 import jax
@@ -25,10 +27,14 @@ needs_compiler = pytest.mark.skipif(
 # tail of a row on avx2) and N not a multiple of the 16-row block (the rows after the last
 # block), N below one block; activations past the kernel's L1 budget (rows x K > 16 KiB: two
 # blocks, or avx2's G rows, side by side), with K % 4 left over and in a prompt's tiles too.
+# Prompts (M > 8) with K a multiple of 64 run on AMX where the CPU has it: one 16-row tile or
+# part of one, pairs of row tiles and one left over, an odd number of blocks, and several L2
+# tiles of blocks (K = 1536: 10 blocks a tile).
 SHAPES = [(1, 64, 16), (2, 100, 37), (5, 130, 7), (8, 1536, 513), (9, 200, 300),
           (17, 96, 40), (3, 2304, 64), (4, 4200, 37), (5, 4200, 38), (7, 4100, 19),
           (10, 192, 50), (11, 130, 29), (40, 1536, 300), (6, 99, 33), (3, 1538, 48),
-          (5, 4098, 40), (20, 2101, 70)]
+          (5, 4098, 40), (20, 2101, 70), (9, 64, 16), (16, 128, 48), (37, 640, 409),
+          (70, 1536, 352), (33, 256, 15)]
 
 
 def _operands(m, k, n, seed=0):
@@ -54,6 +60,24 @@ def test_the_kernel_gives_the_integer_product(m, k, n):
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def _amx_permitted() -> bool:
+  """Whether Linux lets this process use AMX's tile registers (arch_prctl's
+  ARCH_REQ_XCOMP_PERM for XTILEDATA, asked here apart from the kernels)."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  return libc.syscall(158, 0x1023, 18) == 0       # SYS_arch_prctl on x86-64
+
+
+@needs_compiler
+def test_prompts_run_on_amx_where_the_cpu_and_the_os_have_it():
+  """The kernels report AMX exactly where this CPU has amx_int8 and amx_tile and Linux permits
+  it (the products above then ran on it; test_each_instruction_set_path runs a build without
+  it)."""
+  flags = cpu_kernels.cpu_flags().split()
+  has = {"amx_int8", "amx_tile", "avx512_vnni"} <= set(flags) and platform.machine() == "x86_64"
+  assert cpu_kernels.status().amx == (has and _amx_permitted())
+  assert ("AMX" in cpu_kernels.status().describe()) == cpu_kernels.status().amx
+
+
 @needs_compiler
 def test_under_vmap_and_inside_a_loop():
   q, w, want = _operands(3, 128, 40)
@@ -67,18 +91,22 @@ def test_under_vmap_and_inside_a_loop():
 
 
 @needs_compiler
-@pytest.mark.parametrize("march, isa", [("x86-64", "generic"), ("haswell", "avx2")])
-def test_each_instruction_set_path(tmp_path, monkeypatch, march, isa):
+@pytest.mark.parametrize("march, isa, needs", [("x86-64", "generic", ""),
+                                               ("haswell", "avx2", "avx2"),
+                                               ("icelake-server", "avx512-vnni", "amx_int8")])
+def test_each_instruction_set_path(tmp_path, monkeypatch, march, isa, needs):
   """The paths a CPU without AVX-512 VNNI compiles (the build uses -march=native, so this
-  machine's own path is the tests above), built as $SPECJAX_KERNEL_MARCH asks."""
-  if "avx2" not in cpu_kernels.cpu_flags().split() and isa == "avx2":
-    pytest.skip("this CPU runs no AVX2 code")
+  machine's own path is the tests above), and on a CPU with AMX its VNNI path for prompts (a
+  build without AMX), built as $SPECJAX_KERNEL_MARCH asks."""
+  if needs and needs not in cpu_kernels.cpu_flags().split():
+    pytest.skip(f"this CPU has no {needs}: its own build is this path, or it cannot run it")
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
   monkeypatch.setenv(cpu_kernels.MARCH_ENV, march)
   flags = cpu_kernels.build_flags()
   assert f"-march={march}" in flags and "-march=native" not in flags
-  prefix = f"specjax_{isa}"
+  prefix = f"specjax_{isa.replace('-', '_')}"
   assert cpu_kernels._register(cpu_kernels._build(flags), prefix) == isa
+  assert not cpu_kernels._REGISTERED[prefix][1]                 # no AMX in any of these builds
   for m, k, n in SHAPES:
     q, w, want = _operands(m, k, n, seed=1)
     call = jax.ffi.ffi_call(f"{prefix}_int8_dot", jax.ShapeDtypeStruct((m, n), jnp.int32))

@@ -8,9 +8,12 @@ machine, where its float32 product streams 33-43 GB/s, and it has a slow path fo
 product. `cpu_kernels.cc` streams the weights once and multiplies every activation row by them
 (AVX-512 VNNI, AVX2, or plain C++, as the compiler's -march=native finds the CPU), splitting
 the rows over XLA's intra-op threads; its AVX-512 VNNI build reads int8 and int4 weights in a
-blocked layout (quant.block_int8, block_int4) that gives 16 rows' sums per multiply-add. Its
-int8 sums are the same int32 numbers XLA's product gives (exact integer arithmetic), so a
-model's outputs are the same bits with either kernel.
+blocked layout (quant.block_int8, block_int4) that gives 16 rows' sums per multiply-add, and
+where the CPU has AMX (Intel Xeon since Sapphire Rapids) and Linux lets the process use it, runs
+a prompt's int8 products (more than 8 rows) on AMX's tile multiply, from the same layout,
+1.6-2.8x faster than VNNI (`Status.amx`; docs/results.md). Its int8 sums are the same int32
+numbers XLA's product gives (exact integer arithmetic), so a model's outputs are the same bits
+with either kernel.
 XLA has no int4 product on the CPU at all: without this kernel int4 layers are dequantized to
 float32 inside every step (quant.int4_matmul), correct and several times slower. A quantized
 model attends one query position at a time so that a verify pass gives each position a decoding
@@ -65,14 +68,16 @@ _BUILD_TIMEOUT_S = 300
 class Status:
   """Whether int8 products of [out, in] kernels, int4 products and attention one position at a
   time run on specjax's kernels (`active`), and a line saying which and why (`describe`), with
-  the instruction set they were built for ("" if not)."""
+  the instruction set they were built for ("" if not) and whether a prompt's int8 products (more
+  than 8 rows) run on AMX (`amx`: built for a CPU with it, and the OS lets the process use it)."""
   active: bool
   why: str
   isa: str = ""
+  amx: bool = False
 
   def describe(self) -> str:
     if self.active:
-      return f"specjax's CPU kernel ({self.isa})"
+      return f"specjax's CPU kernel ({self.isa}{', AMX for prompts' if self.amx else ''})"
     return f"XLA's product ({self.why})"
 
 
@@ -165,7 +170,7 @@ def _decided() -> Status:
                 "dequantized in every step: specjax's CPU kernels could not be built (%s); "
                 "install a C++ compiler (g++) or set $CXX", err)
     return Status(False, f"specjax's kernel could not be built: {err}")
-  return Status(True, "built", isa)
+  return Status(True, "built", isa, _REGISTERED[PREFIX][1])
 
 
 def _compiler() -> str:
@@ -213,7 +218,8 @@ def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
   return library
 
 
-_REGISTERED: dict[str, str] = {}     # prefix -> the instruction set of the library behind it
+# prefix -> the instruction set of the library behind it, and whether it runs prompts on AMX
+_REGISTERED: dict[str, tuple[str, bool]] = {}
 
 
 def _register(library: Path, prefix: str) -> str:
@@ -227,8 +233,8 @@ def _register(library: Path, prefix: str) -> str:
     for name, handler in (("int8_dot", lib.SpecjaxInt8Dot), ("int4_dot", lib.SpecjaxInt4Dot),
                           ("attend", lib.SpecjaxAttend)):
       jax.ffi.register_ffi_target(f"{prefix}_{name}", jax.ffi.pycapsule(handler), platform="cpu")
-    _REGISTERED[prefix] = lib.SpecjaxIsa().decode()
-  return _REGISTERED[prefix]
+    _REGISTERED[prefix] = lib.SpecjaxIsa().decode(), bool(lib.SpecjaxAmx())
+  return _REGISTERED[prefix][0]
 
 
 def cpu_flags() -> str:

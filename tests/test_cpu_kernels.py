@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import platform
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -375,3 +376,25 @@ def test_a_float_model_never_builds_the_kernels(monkeypatch):
     assert logits.shape == (1, 64) and np.isfinite(np.asarray(step)).all()
   with pytest.raises(AssertionError, match="asked for"):
     quant.reads_in_place("int4", "out_in")
+
+
+@needs_compiler
+def test_builders_at_once_compile_once(monkeypatch, tmp_path):
+  """A second builder waits for the first one's lock and finds the library built."""
+  import threading
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  compiled, started = [], threading.Event()
+
+  def slow_compile(compiler, flags, library):
+    compiled.append(library)
+    started.set()
+    time.sleep(0.5)                      # the second builder arrives while this one compiles
+    library.write_bytes(b"built")
+
+  monkeypatch.setattr(cpu_kernels, "_compile", slow_compile)
+  first = threading.Thread(target=cpu_kernels._build)
+  first.start()
+  started.wait(timeout=30)
+  second = cpu_kernels._build()
+  first.join()
+  assert len(compiled) == 1 and second == compiled[0] and second.read_bytes() == b"built"

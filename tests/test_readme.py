@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -567,7 +568,25 @@ def cache(tmp_path_factory) -> Path:
   """The private SPECJAX_CACHE of every command (no pair built yet)."""
   path = _shared_root(tmp_path_factory) / "readme-specjax-cache"
   path.mkdir(exist_ok=True)
+  _seed_kernels(path)
   return path
+
+
+def _seed_kernels(cache: Path) -> None:
+  """The CPU kernels this process built (or found) for its own cache, copied into `cache` under
+  the same key, so that the commands do not compile them a second time (tests/test_cpu_kernels.py
+  tests the build itself). Nothing is copied where they do not build."""
+  from specjax.models import cpu_kernels
+  try:
+    built = cpu_kernels._build(cpu_kernels.build_flags())
+  except (OSError, RuntimeError, subprocess.SubprocessError):
+    return
+  target = cache / "kernels" / built.name
+  if not target.exists():
+    target.parent.mkdir(exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.copyfile(built, tmp)
+    os.replace(tmp, target)
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,8 +195,7 @@ def build_flags() -> tuple[str, ...]:
 
 def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
   """The compiled kernel: CACHE/kernels/quant-KEY.so, compiled with `flags` when absent (module
-  docstring); written under a temporary name and renamed, so that concurrent builds never see
-  half a file."""
+  docstring), built by one process at a time."""
   compiler = _compiler()
   version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                            timeout=60, check=True).stdout
@@ -206,6 +206,26 @@ def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
   if library.exists():
     return library
   library.parent.mkdir(parents=True, exist_ok=True)
+  # Processes that start together (test workers, two decodes) build it once: the others wait.
+  (root / "locks").mkdir(exist_ok=True)
+  lock = filelock.FileLock(str(root / "locks" / f"kernels-{key}.lock"))
+  try:
+    lock.acquire(timeout=0)
+  except filelock.Timeout:
+    log.info("waiting for another process building specjax's CPU kernels into %s ...",
+             library.parent)
+    lock.acquire(timeout=_BUILD_TIMEOUT_S)
+  try:
+    if not library.exists():
+      _compile(compiler, flags, library)
+  finally:
+    lock.release()
+  return library
+
+
+def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
+  """Compiles SOURCE into `library`, under a temporary name renamed at the end, so that no
+  process ever loads half a file."""
   tmp = library.with_name(f".{library.name}.{os.getpid()}.tmp")
   command = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
   log.info("building specjax's CPU kernels (once per machine): %s", " ".join(command))
@@ -215,7 +235,6 @@ def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
     raise RuntimeError(f"{Path(compiler).name} exited with {done.returncode}: "
                        f"{done.stderr.strip()[-600:]}")
   os.replace(tmp, library)
-  return library
 
 
 # prefix -> the instruction set of the library behind it, and whether it runs prompts on AMX

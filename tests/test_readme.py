@@ -23,7 +23,6 @@ import math
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -576,6 +575,7 @@ def _seed_kernels(cache: Path) -> None:
   """The CPU kernels this process built (or found) for its own cache, copied into `cache` under
   the same key, so that the commands do not compile them a second time (tests/test_cpu_kernels.py
   tests the build itself). Nothing is copied where they do not build."""
+  from specjax.data.cache import atomic_write_bytes
   from specjax.models import cpu_kernels
   try:
     built = cpu_kernels._build(cpu_kernels.build_flags())
@@ -584,9 +584,7 @@ def _seed_kernels(cache: Path) -> None:
   target = cache / "kernels" / built.name
   if not target.exists():
     target.parent.mkdir(exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.copyfile(built, tmp)
-    os.replace(tmp, target)
+    atomic_write_bytes(target, built.read_bytes())
 
 
 @pytest.fixture(scope="module")

@@ -81,9 +81,9 @@ def recipe(name: str) -> mlc.ConfigDict:
                                   temperature=1.0))
   # A smoke build's few steps train nothing whatever their batch: 8 rows cost a quarter.
   c.train = mlc.ConfigDict(dict(
-      steps=0, batch_size=32 if scale >= 1 else 8, learning_rate=3e-3, warmup_steps=50, decay_start=0,
-      final_lr_ratio=0.1, optimizer="adamw", seed=0, log_every=50, checkpoint_every=200,
-      eval_every=0, async_checkpoint=False, progress=True))
+      steps=0, batch_size=32 if scale >= 1 else 8, learning_rate=3e-3, warmup_steps=50,
+      decay_start=0, final_lr_ratio=0.1, optimizer="adamw", seed=0, log_every=50,
+      checkpoint_every=200, eval_every=0, async_checkpoint=False, progress=True))
   c.pretrain = mlc.ConfigDict(dict(model="target", steps=0))
   c.mesh = mlc.ConfigDict(dict(data=-1, model=1))
   c.distributed = mlc.ConfigDict(dict(enabled=False))

@@ -225,6 +225,12 @@ def test_a_march_that_is_not_one_is_refused(monkeypatch):
   assert cpu_kernels.build_flags() == cpu_kernels._FLAGS
 
 
+def test_gcc_alone_is_given_its_vectorizer_cost_model():
+  gcc = "c++ (Debian 12.2.0-14+deb12u1) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc."
+  clang = "Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu\nThread model: posix"
+  assert cpu_kernels._is_gcc(gcc) and not cpu_kernels._is_gcc(clang)
+
+
 @needs_compiler
 def test_a_compile_error_is_reported_and_nothing_is_kept(monkeypatch, tmp_path):
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))

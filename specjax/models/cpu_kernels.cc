@@ -399,22 +399,31 @@ void WeightRowGroups(const Activations& act, int64_t m0, const int8_t* w, int32_
   const int16_t* a16 = act.s16.data() + m0 * K;
   for (int64_t n = n0; n < n1; n += G) {
     __m256i acc[G][MB];
+#pragma GCC unroll 16
     for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) acc[g][m] = _mm256_setzero_si256();
     for (int64_t k = 0; k < k16; k += 16) {
       __m256i wv[G];
-      if (k % 64 == 0)
+      if (k % 64 == 0) {
+#pragma GCC unroll 16
         for (int g = 0; g < G; ++g) Ahead(w + (n + g) * K + k);
+      }
+#pragma GCC unroll 16
       for (int g = 0; g < G; ++g)
         wv[g] = _mm256_cvtepi8_epi16(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + g) * K + k)));
+#pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) {
         const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a16 + m * K + k));
+#pragma GCC unroll 16
         for (int g = 0; g < G; ++g)
           acc[g][m] = _mm256_add_epi32(acc[g][m], _mm256_madd_epi16(av, wv[g]));
       }
     }
+#pragma GCC unroll 16
     for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
       for (int m = 0; m < MB; ++m)
         out[(m0 + m) * N + n + g] =
             Sum8(acc[g][m]) + Dot(act.raw + (m0 + m) * K, w + (n + g) * K, k16, K);
@@ -510,6 +519,7 @@ void Int4BlockRows(const Int4Activations& act, int64_t m0, const uint8_t* w, con
       lo[m] = _mm512_set1_epi32(act.shift[(m0 + m) * groups + g]);
       hi[m] = _mm512_setzero_si512();
     }
+#pragma GCC unroll 8
     for (int64_t j = 0; j < 8; ++j) {
       const __m512i v = _mm512_loadu_si512(block + (8 * g + j) * 64);
       Ahead(block + (8 * g + j) * 64);
@@ -608,6 +618,7 @@ void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const fl
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * (K / 2);
     __m256 acc[MB];
+#pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       if (g % 2 == 0) Ahead(wr + g * 32);
@@ -615,6 +626,7 @@ void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const fl
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       const __m256 scale = _mm256_set1_ps(s[n * G + g]);
+#pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) {
         const int8_t* a = act.raw + (m0 + m) * K + g * kGroup;
         // u8 x s8 pairs: at most 2 x 15 x 128 per int16 lane, twice that summed: no saturation
@@ -627,6 +639,7 @@ void Int4Rows(const Int4Activations& act, int64_t m0, const uint8_t* w, const fl
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[m]);
       }
     }
+#pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
       h = _mm_add_ps(h, _mm_movehl_ps(h, h));

@@ -22,6 +22,7 @@ file is refused with the byte offset and what was expected there.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -209,6 +210,26 @@ def _check_extent(cur: _Cursor, gguf, name: str, kind: int, shape: list[int], be
 # Reading.
 
 
+@functools.cache
+def _reader_class(gguf):
+  """gguf.GGUFReader reading through a plain ndarray view of its memory map. The reader slices its
+  `data` once per value while it parses the metadata (300,000 for a 151,936-token vocabulary and
+  its merges), and each slice of a np.memmap runs memmap's Python __array_finalize__: 15.5 s
+  against 4.6 s for the 0.5B draft's file, and the tensors' data as plain views (the same bytes,
+  still mapped) dequantize without that cost too."""
+
+  class PlainReader(gguf.GGUFReader):
+    @property
+    def data(self):
+      return self._plain
+
+    @data.setter
+    def data(self, mapped):
+      self._plain = mapped.view(np.ndarray)
+
+  return PlainReader
+
+
 class GGUFCheckpoint:
   """An opened GGUF: its metadata (key -> Python value) and its tensors by GGUF name."""
 
@@ -217,7 +238,7 @@ class GGUFCheckpoint:
     self.path = Path(path)
     check_file(self.path)
     try:
-      reader = gguf.GGUFReader(self.path)
+      reader = _reader_class(gguf)(self.path)
     except (ValueError, IndexError, KeyError, OverflowError) as err:   # passed check_file
       raise GGUFError(f"{self.path}: the gguf reader refused the file: {err}") from None
     self.metadata = {k: f.contents() for k, f in reader.fields.items()

@@ -214,9 +214,9 @@ def _check_extent(cur: _Cursor, gguf, name: str, kind: int, shape: list[int], be
 def _reader_class(gguf):
   """gguf.GGUFReader reading through a plain ndarray view of its memory map. The reader slices its
   `data` once per value while it parses the metadata (300,000 for a 151,936-token vocabulary and
-  its merges), and each slice of a np.memmap runs memmap's Python __array_finalize__: 14.0 s
-  against 5.2 s for the 0.5B draft's file, and the tensors' data as plain views (the same bytes,
-  still mapped) dequantize without that cost too."""
+  its merges), and each slice of a np.memmap runs memmap's Python __array_finalize__, most of
+  the time a file took to open (docs/results.md); the tensors' data, plain views of the same
+  mapped bytes, dequantize without that cost too."""
 
   class PlainReader(gguf.GGUFReader):
     @property

@@ -7,6 +7,7 @@ tested, not this machine); bad values are refused naming the allowed ones."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import jax
@@ -141,6 +142,32 @@ def test_auto_measures_once_then_reads_the_cache(monkeypatch, tmp_path, factor, 
   assert layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu").reason.startswith(
       "measured")
   assert len(calls) == 24
+
+
+def test_a_cached_choice_does_not_trace_the_model_again(monkeypatch, tmp_path):
+  """The shapes and head of a config are kept beside the choices: a second run with the same
+  config reads them (no abstract params traced); another config, or another layout of the same
+  one (the twin is stacked [in, out] either way), is handled as before."""
+  _fake_timer(monkeypatch, 0.9, [])
+  monkeypatch.setattr(layout_choice, "time_int8_products",
+                      lambda shape, rows, layout: [1e-3 * m for m in rows])
+  cache, model = tmp_path / "dense_layout.json", _llama()
+  first = layout_choice.choose(model, (1, 5), cache_file=cache, backend="cpu", int8=True)
+  traced = []
+  real = layout_choice._abstract_params
+  monkeypatch.setattr(layout_choice, "_abstract_params",
+                      lambda m: traced.append(m) or real(m))
+  for again in (model, dense_layout.with_layout(model, "out_in"), layers.with_scan(model, False)):
+    assert layout_choice.choose(again, (1, 5), cache_file=cache, backend="cpu",
+                                int8=True) == dataclasses.replace(first,
+                                                                  reason=f"cached in {cache}")
+  assert not traced
+  wider = _llama(d_ff=64)
+  layout_choice.choose(wider, (1, 5), cache_file=cache, backend="cpu", int8=True)
+  assert len(traced) == 1
+  assert layout_choice.dense_shapes(wider)[0] == (32, 64, 2)
+  kept = [v for k, v in json.loads(cache.read_text()).items() if k.startswith("config-")]
+  assert sorted(tuple(map(tuple, v["shapes"]))[0] for v in kept) == [(32, 48, 2), (32, 64, 2)]
 
 
 def test_a_repeated_width_counts_as_often_as_it_runs(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -126,6 +127,26 @@ def test_hf_tokenizer_from_local_directory(tmp_path):
   ids = tok.encode(text)
   assert tok.decode(ids) == text and tok.decode(ids + [tok.eos_id]) == text
   assert tok.id_to_piece(ids[0]) and tok.vocab_size == len(tok.tok)
+
+
+def test_a_directorys_cache_key_reads_its_files_not_its_vocabulary(toks, tmp_path):
+  """cache_key of an HF tokenizer digests its files (no fingerprint: that re-serialises the
+  whole vocabulary); a copy of the files gives the same key, another tokenizer file another; a
+  SentencePiece tokenizer is keyed by its fingerprint."""
+  import shutil
+  import tiny_checkpoints   # tests/ is on sys.path under pytest
+  tiny_checkpoints.byte_level_bpe(tmp_path / "a")
+  shutil.copytree(tmp_path / "a", tmp_path / "b")
+  a, b = (tokenizer.get_tokenizer(str(tmp_path / n)) for n in "ab")
+  key = tokenizer.cache_key(a)
+  assert key.startswith("files-") and key == tokenizer.cache_key(b)
+  assert "fingerprint" not in vars(a) and "fingerprint" not in vars(b)   # never computed
+  shutil.copytree(tmp_path / "a", tmp_path / "c")
+  spec = json.loads((tmp_path / "c" / "tokenizer.json").read_text())
+  spec["normalizer"] = {"type": "Lowercase"}                        # other ids for "A"
+  (tmp_path / "c" / "tokenizer.json").write_text(json.dumps(spec))
+  assert tokenizer.cache_key(tokenizer.get_tokenizer(str(tmp_path / "c"))) != key
+  assert tokenizer.cache_key(toks["bpe"]) == toks["bpe"].fingerprint
 
 
 def test_tokenizers_are_loaded_under_the_transformers_lock(tmp_path, monkeypatch):

@@ -171,6 +171,7 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   hf_config = hf_import.read_config(path / "config.json")
   if quant == quant_lib.AUTO:
     quant = auto_quant(hf_config, role, layout)          # "int8", "" or AUTO: measured below
+  log.info("reading the %s's tokenizer (%s) ...", role, tokenizer or path)
   tok = load_tokenizer(path, tokenizer)
   fix = _vocab_fix(role, tokenizer)
   check_vocab(role, hf_config.get("vocab_size"), tok, fix)       # before any weight is read

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from specjax.data import stdlib_corpus
+from specjax.data.tokenizer import cache_key
 from specjax.data.cache import atomic_write_bytes, cache_dir, settings_key
 
 log = logging.getLogger(__name__)
@@ -24,9 +25,10 @@ COUNT_VERSION = 1
 
 def stdlib_counts(tokenizer, vocab_size: int) -> np.ndarray:
   """counts [vocab_size] int64 of every id in the train split of the stdlib corpus, encoded by
-  `tokenizer` (encode, fingerprint); cached per tokenizer, corpus and vocab_size."""
+  `tokenizer` (encode; its files or fingerprint: data/tokenizer.cache_key); cached per
+  tokenizer, corpus and vocab_size."""
   corpus = stdlib_corpus.load_corpus()
-  key = settings_key({"v": COUNT_VERSION, "tok": tokenizer.fingerprint, "corpus": corpus.digest,
+  key = settings_key({"v": COUNT_VERSION, "tok": cache_key(tokenizer), "corpus": corpus.digest,
                       "vocab": vocab_size})
   path = cache_dir() / f"token-counts-{key}.npy"
   try:

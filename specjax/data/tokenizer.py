@@ -270,6 +270,15 @@ def _fast_files_digest(tok) -> str | None:
   return digest.hexdigest()
 
 
+def cache_key(tok) -> str:
+  """A key for what is computed from a tokenizer's ids and cached (token counts): the digest of
+  its tokenizer files and special ids where it was loaded from a directory (_fast_files_digest:
+  a read of a few files), else its fingerprint (which re-serialises the whole vocabulary, on
+  every run that reads the cache). Two keys for one vocabulary only cost one more computation."""
+  files = _fast_files_digest(tok)
+  return f"files-{type(tok.tok).__name__}-{files}" if files else tok.fingerprint
+
+
 def same_vocabulary(a, b) -> bool:
   """Whether two tokenizers give every text the same ids (and ids the same text): the same
   object or file, the same tokenizer files with the same special ids (_fast_files_digest), else

@@ -81,11 +81,31 @@ class Choice:
     return f"{picked} ({self.reason}: {ms}, {what} summed)"
 
 
-def dense_shapes(model) -> tuple[tuple[int, int, int], ...]:
+def _described(model, entries: dict, cache_file: Path | None):
+  """(dense_shapes, _head) of `model`, kept in the cache under a digest of its config: tracing
+  the model's init for its abstract params is most of a cached choice's time, and a config
+  always gives the same shapes. A config with a sub-vocabulary head (arrays) is not kept."""
+  config = dataclasses.replace(model.config, scan_layers=True, layout=dense_layout.IN_OUT)
+  if config.head_subset is not None:
+    return dense_shapes(model), _head(model)
+  blob = json.dumps([type(model).__name__, dataclasses.asdict(config)], sort_keys=True,
+                    default=repr)
+  key = f"config-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+  kept = entries.get(key)
+  if isinstance(kept, dict) and "shapes" in kept and "head" in kept:
+    return tuple(tuple(s) for s in kept["shapes"]), tuple(kept["head"])
+  params = _abstract_params(model)
+  shapes, head = dense_shapes(model, params), _head(model, params)
+  if cache_file is not None:
+    _write(cache_file, key, dict(shapes=[list(s) for s in shapes], head=list(head)))
+  return shapes, head
+
+
+def dense_shapes(model, params=None) -> tuple[tuple[int, int, int], ...]:
   """A decoder-only model's layer kernel shapes as (in, out, count per layer), the _MAX_SHAPES
   largest by in * out, from the abstract params of its stacked, [in, out] twin (nothing is
-  allocated)."""
-  shapes = _abstract_params(model)
+  allocated; `params`: those abstract params when the caller has them)."""
+  shapes = _abstract_params(model) if params is None else params
   counts = Counter()
   for path, leaf in jax.tree_util.tree_flatten_with_path(shapes[layers.STACKED])[0]:
     if getattr(path[-1], "key", None) == "kernel":
@@ -112,11 +132,13 @@ def choose(model, rows=DEFAULT_ROWS, *, cache_file: Path | None, backend: str | 
     return Choice(layout or dense_layout.IN_OUT,
                   f"the {backend} backend's default, not measured")
   cfg = model.config
-  shapes, rows = dense_shapes(model), tuple(sorted(int(m) for m in rows))
+  entries = _read(cache_file)
+  shapes, head = _described(model, entries, cache_file)
+  rows = tuple(sorted(int(m) for m in rows))
   floats = (layout,) if layout else dense_layout.LAYOUTS
-  head = _head(model) if int8 else None
+  head = head if int8 else None
   key = _key(shapes, rows, cfg.dtype, cfg.precision, floats, head)
-  cached = _read(cache_file).get(key)
+  cached = entries.get(key)
   if cached is not None and cached.get("layout") in floats:
     return Choice(cached["layout"], f"cached in {cache_file}", cached.get("costs", {}),
                   cached.get("quant", ""))
@@ -137,9 +159,10 @@ def choose(model, rows=DEFAULT_ROWS, *, cache_file: Path | None, backend: str | 
   return choice
 
 
-def _head(model) -> tuple[int, int, int, bool]:
-  """(layers, D, V, tied) of a decoder-only model, from its abstract params."""
-  shapes = _abstract_params(model)
+def _head(model, params=None) -> tuple[int, int, int, bool]:
+  """(layers, D, V, tied) of a decoder-only model, from its abstract params (`params`, else
+  traced here)."""
+  shapes = _abstract_params(model) if params is None else params
   num_layers = jax.tree_util.tree_leaves(shapes[layers.STACKED])[0].shape[0]
   vocab, width = shapes["token_embed"]["embedding"].shape
   return num_layers, width, vocab, "lm_head" not in shapes

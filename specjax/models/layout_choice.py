@@ -12,7 +12,8 @@ chosen only when its weighted cost (sum over shapes and widths of count x median
 than MARGIN below "in_out"'s: near a tie Flax's layout stays. The answer is
 kept in a JSON file (`cache_file`, given by the caller) keyed by the CPU's flags and core count,
 the jaxlib version, XLA_FLAGS, the shapes, widths, dtype and precision, so it is measured once per
-machine and setting. Other backends get "in_out" without measuring: the flip was seen on XLA:CPU,
+machine and setting; each config's shapes are kept beside the answers, so that reading one does
+not trace the model. Other backends get "in_out" without measuring: the flip was seen on XLA:CPU,
 and the GPU and TPU results (docs/results.md) were measured in Flax's layout.
 
 With `int8=True` (a loader's quant="auto") int8 weights in either layout are two more

@@ -89,9 +89,7 @@ def _described(model, entries: dict, cache_file: Path | None):
   config = dataclasses.replace(model.config, scan_layers=True, layout=dense_layout.IN_OUT)
   if config.head_subset is not None:
     return dense_shapes(model), _head(model)
-  blob = json.dumps([type(model).__name__, dataclasses.asdict(config)], sort_keys=True,
-                    default=repr)
-  key = f"config-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+  key = f"config-{_digest([type(model).__name__, dataclasses.asdict(config)])}"
   kept = entries.get(key)
   if isinstance(kept, dict) and "shapes" in kept and "head" in kept:
     return tuple(tuple(s) for s in kept["shapes"]), tuple(kept["head"])
@@ -272,7 +270,12 @@ def _key(shapes, rows, dtype: str, precision: str, floats=dense_layout.LAYOUTS,
     settings.update(int8_candidates=sorted(INT8_LAYOUTS))
     if cpu_kernels.status().active:             # [out, in] int8 runs on specjax's kernel
       settings.update(int8_kernel=cpu_kernels.status().describe())
-  blob = json.dumps(settings, sort_keys=True).encode()
+  return _digest(settings)
+
+
+def _digest(obj) -> str:
+  """16 hex digits of sha256 over `obj` as sorted JSON (repr for what JSON cannot hold)."""
+  blob = json.dumps(obj, sort_keys=True, default=repr).encode()
   return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -315,3 +315,32 @@ def test_narrow_verify_passes_give_the_tokens_of_full_width_passes(monkeypatch):
   assert traced                                          # the loop was traced again, full width
   np.testing.assert_array_equal(narrow.tokens, full.tokens)
   jax.tree_util.tree_map(np.testing.assert_array_equal, narrow.stats, full.stats)
+
+
+def test_unrolled_draft_passes_give_the_tokens_of_the_rolled_loop(monkeypatch):
+  """A block's draft passes run in a while loop on the CPU and unrolled on GPU
+  (drafting/model.unroll_drafts): both programs give the same tokens and statistics."""
+  from specjax.drafting import model as model_drafter
+  assert not model_drafter.unroll_drafts(False, 4, "cpu")
+  assert model_drafter.unroll_drafts(False, 4, "gpu")
+  assert not model_drafter.unroll_drafts(True, 4, "gpu")                  # variable windows
+  assert not model_drafter.unroll_drafts(False, model_drafter.UNROLL_MAX_GAMMA + 1, "gpu")
+  model, params, drafts = _models("decoder")
+  draft_model, draft_params = drafts["small"]
+  prompt = Prompt.from_lists([[5, 6, 7], [9], [3, 4, 5, 6, 7, 8]], pad_to=8)
+
+  def run(unrolled: bool):
+    jax.clear_caches()                                   # unroll_drafts is read when tracing
+    traced = []
+    monkeypatch.setattr(model_drafter, "unroll_drafts",
+                        lambda variable, gamma, backend=None: traced.append(1) or unrolled)
+    out = speculative.generate(model, params, draft_model, draft_params, prompt,
+                               jax.random.PRNGKey(5), rule="exact", gamma=3, max_new_tokens=12,
+                               warp=Warp(), eos_id=None)
+    assert traced
+    return out
+
+  rolled, unrolled = run(False), run(True)
+  np.testing.assert_array_equal(rolled.tokens, unrolled.tokens)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, rolled.stats, unrolled.stats)
+  assert int(rolled.stats.accepted.sum()) > 0

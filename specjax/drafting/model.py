@@ -33,6 +33,17 @@ from specjax.models import kv_cache, prompting
 UNROLL_MAX_GAMMA = 8   # longer fixed-length draft loops stay rolled (compile time)
 
 
+def unroll_drafts(variable: bool, gamma: int, backend: str | None = None) -> bool:
+  """Whether a block's draft passes are unrolled into the compiled loop (True) or run by a
+  while loop (False). Unrolled only on GPU for a fixed count of at most UNROLL_MAX_GAMMA: there
+  a while loop reads its condition back to the host each iteration. On the CPU an iteration
+  costs nothing measurable next to a draft pass, while every unrolled pass is another copy of
+  the draft model for XLA to compile (at every start-up that misses the compilation cache, and in
+  each of the test suite's loops). backend: jax.default_backend() when None."""
+  backend = backend or jax.default_backend()
+  return not variable and gamma <= UNROLL_MAX_GAMMA and backend in ("gpu", "cuda", "rocm")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(Drafter):
   """draft_model: a model of the model contract (models/__init__.Model). vocab: the VocabMap
@@ -161,7 +172,7 @@ def draft_steps(policy, block: Block, logits: jax.Array, carry: Any, step) -> Pr
                 count=jnp.zeros((batch,), jnp.int32), active=block.live,
                 passes=block.live.astype(jnp.int32),
                 nonfinite=sampling.nonfinite_rows(logits), carry=carry)
-  unrolled = not policy.variable and K <= UNROLL_MAX_GAMMA
+  unrolled = unroll_drafts(policy.variable, K)
   # Variable windows stop where nothing more could be committed: the block also emits a
   # correction or bonus token (AdaSD's K = min(K_max, N_max - len - 1), papers/adasd.md §2).
   budget = block.limit - block.lengths - 1 if policy.variable else None   # [B]
@@ -176,7 +187,6 @@ def draft_steps(policy, block: Block, logits: jax.Array, carry: Any, step) -> Pr
     return decide(d, logits)
 
   if unrolled:
-    # Every row drafts K tokens: unrolled, the loop costs ~35 us less per step on XLA:CPU.
     d = jax.lax.fori_loop(0, K - 1, lambda _, d: body(d), decide(d, logits), unroll=True)
   else:
     d = jax.lax.while_loop(lambda d: (d.step < K) & jnp.any(d.active), body, decide(d, logits))

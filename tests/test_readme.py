@@ -493,15 +493,19 @@ COMMANDS: dict[str, Run | Skip] = {
 }
 
 # Not README commands: the other rule families of the README's table, each decoded once, and
-# eval.tradeoff's AdaSD comparison.
+# eval.tradeoff's AdaSD comparison. All slow: the command line turns --config.rule.* into the rule
+# the same way for every family (the README's exact and lenient commands run by default,
+# tests/test_config_cli.py the conversion), and each rule's loop is tested in-process
+# (tests/test_rules_x_drafters.py, tests/test_cli_end_to_end.py's greedy command, test_fuzzy,
+# test_adaptive).
 EXTRA: dict[str, Run] = {
     "python -m specjax.decode --config tiny.py --config.rule.name=greedy "
-    "--config.decode.temperature=0": Run(check_stats, TINY, cost=9),
+    "--config.decode.temperature=0": Run(check_stats, TINY, cost=9, slow=True),
     "python -m specjax.decode --config tiny.py --config.rule.name=fuzzy "
-    "--config.rule.threshold=0.3": Run(check_stats, TINY, cost=7),
+    "--config.rule.threshold=0.3": Run(check_stats, TINY, cost=7, slow=True),
     "python -m specjax.decode --config tiny.py --config.rule.name=adaptive "
-    "--config.rule.max_window=4": Run(check_stats, TINY, cost=17),
     # max_window 4 instead of 20: AdaSD's loop is compiled at gamma = max_window.
+    "--config.rule.max_window=4": Run(check_stats, TINY, cost=17, slow=True),
     "python -m eval.tradeoff --config tiny.py --rule adaptive": Run(
         check_tradeoff("adaptive", {"target", "draft", "exact", "adasd", "gen_only",
                                     "verify_only"}),
@@ -634,7 +638,9 @@ def _chains() -> list[list[str]]:
   for chain in chains:
     while runs[chain[0]].after:
       chain.insert(0, runs[chain[0]].after)
-  chains.sort(key=lambda chain: -sum(runs[c].cost for c in chain))
+  # The default run's chains before the slow ones, which it deselects.
+  chains.sort(key=lambda chain: (any(runs[c].slow for c in chain),
+                                 -sum(runs[c].cost for c in chain)))
   free = [chain for chain in chains if not any(runs[c].pair for c in chain)]
   rest = [chain for chain in chains if chain not in free]
   return [rest[0], *free, *rest[1:]]

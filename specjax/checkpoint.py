@@ -25,9 +25,15 @@ from typing import Iterator
 import filelock
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+
+
+def _orbax():
+  """orbax.checkpoint, imported on first use: its import takes a few tenths of a second, and
+  every command (decoding too) imports this module, most without saving or restoring."""
+  import orbax.checkpoint as ocp
+  return ocp
 
 
 class CheckpointMismatchError(ValueError):
@@ -152,10 +158,10 @@ class Checkpointer:
 
   def __post_init__(self):
     self.workdir = Path(self.workdir).absolute()
-    options = ocp.CheckpointManagerOptions(
+    options = _orbax().CheckpointManagerOptions(
         max_to_keep=self.keep, save_interval_steps=max(1, self.every),
         enable_async_checkpointing=self.async_save, create=True)
-    self.manager = ocp.CheckpointManager(self.workdir / "checkpoints", options=options)
+    self.manager = _orbax().CheckpointManager(self.workdir / "checkpoints", options=options)
     self._check_existing()
 
   def _check_existing(self) -> None:
@@ -184,17 +190,19 @@ class Checkpointer:
   def save(self, step: int, state, meta: dict | None = None, force: bool = False) -> bool:
     """Save `state` (a pytree) at `step` when the interval says so (or force)."""
     meta = dict(meta or {}, **self.signature.to_meta(), step=int(step))
-    return self.manager.save(
-        int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                           meta=ocp.args.JsonSave(meta)), force=force)
+    args = _orbax().args
+    return self.manager.save(int(step), args=args.Composite(state=args.StandardSave(state),
+                                                            meta=args.JsonSave(meta)),
+                             force=force)
 
   def _latest_meta(self) -> tuple[int, dict] | None:
     """(step, meta) of the latest checkpoint whose metadata reads (a damaged one is skipped
     here: `restore` names it); None when there is none."""
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
-        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
-        return step, self.manager.restore(step, args=args)["meta"]
+        args = _orbax().args
+        return step, self.manager.restore(step, args=args.Composite(
+            meta=args.JsonRestore()))["meta"]
       except Exception:                 # whatever orbax / tensorstore raise for a damaged file
         continue
     return None
@@ -226,8 +234,9 @@ class Checkpointer:
     return None
 
   def _restore_step(self, step: int, target):
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    args = _orbax().args
+    out = self.manager.restore(step, args=args.Composite(state=args.StandardRestore(target),
+                                                         meta=args.JsonRestore()))
     return out["state"], out["meta"]
 
   def _set_aside(self, failed: list[tuple[int, str]], good: int) -> None:
@@ -335,7 +344,7 @@ def save_params(workdir, params) -> None:
   staged, old = path.with_name(".params.new"), path.with_name(".params.old")
   for leftover in (staged, old):
     shutil.rmtree(leftover, ignore_errors=True)
-  checkpointer = ocp.StandardCheckpointer()
+  checkpointer = _orbax().StandardCheckpointer()
   checkpointer.save(staged, params)
   checkpointer.wait_until_finished()
   if path.exists():
@@ -351,7 +360,7 @@ def load_params(workdir, like):
     raise FileNotFoundError(f"{path} not found: init_from must name the workdir of a finished "
                             f"train.pretrain / train.distill run")
   target = jax.tree_util.tree_map(_abstract, like)
-  checkpointer = ocp.StandardCheckpointer()
+  checkpointer = _orbax().StandardCheckpointer()
   _check_saved_shapes(path, checkpointer, target)
   try:
     return checkpointer.restore(path, target)

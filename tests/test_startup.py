@@ -8,6 +8,8 @@ import gc
 import json
 import mmap
 import shutil
+import subprocess
+import sys
 import time
 
 import jax
@@ -15,6 +17,14 @@ import pytest
 
 from eval import startup, startup_probe
 from specjax.app import cli
+
+
+def test_the_decode_command_imports_no_checkpoint_library():
+  """orbax.checkpoint is imported where a checkpoint is saved or restored (specjax/checkpoint.py),
+  not by every command's start-up."""
+  code = "import sys, specjax.decode; print(sorted(m for m in sys.modules if 'orbax' in m))"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout[-2000:], out.stderr[-2000:])
 
 
 def test_union_of_spans_counts_each_second_once():

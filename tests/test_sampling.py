@@ -185,3 +185,12 @@ def test_argmax_is_jnps_argmax():
     got = jax.jit(sampling.argmax)(jnp.asarray(a))
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(a), -1)))
+
+
+def test_a_fold_table_holds_the_keys_of_fold_rows():
+  keys = sampling.row_keys(jax.random.PRNGKey(2), 3)
+  table = sampling.fold_table(keys, 4)
+  assert table.shape[:2] == (3, 4)
+  for i in range(4):
+    np.testing.assert_array_equal(jax.random.key_data(table[:, i]),
+                                  jax.random.key_data(sampling.fold_rows(keys, i)))

@@ -229,13 +229,15 @@ def block(setup: Setup, target_params, draft_params, anchors: Anchors, s: SpecSt
   """One draft-verify-commit block for every row that is not done."""
   live = ~s.done                                                          # [B]
   block_keys = sampling.position_keys(s.key, s.lengths)
+  purpose_keys = sampling.fold_table(block_keys, 2)                       # [B, 2]
+  draft_keys, verify_keys = purpose_keys[:, 0], purpose_keys[:, 1]
   view = drafting.Block(tokens=s.tokens, lengths=s.lengths, last_two=s.last_two, live=live,
-                        keys=sampling.fold_rows(block_keys, 0), rule=setup.rule,
-                        rule_state=s.rule_state, warp=setup.warp, gamma=setup.gamma,
-                        limit=setup.limit, vocab=setup.target.vocab_size)
+                        keys=draft_keys, rule=setup.rule, rule_state=s.rule_state,
+                        warp=setup.warp, gamma=setup.gamma, limit=setup.limit,
+                        vocab=setup.target.vocab_size)
   d = setup.drafter.propose(draft_params, anchors.drafter, s.drafter_state, view)
   n, next_token, rule_state, tcache, bad, hidden = _verify(setup, target_params, s, d, live,
-                                                           sampling.fold_rows(block_keys, 1))
+                                                           verify_keys)
   n = jnp.minimum(n, d.count)
   stats = s.stats.flag(TARGET, live & bad).flag(DRAFT, live & d.nonfinite)
   s = s.replace(target_cache=tcache, drafter_state=d.state, stats=stats,

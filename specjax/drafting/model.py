@@ -176,7 +176,7 @@ def draft_steps(policy, block: Block, logits: jax.Array, carry: Any, step) -> Pr
   # Variable windows stop where nothing more could be committed: the block also emits a
   # correction or bonus token (AdaSD's K = min(K_max, N_max - len - 1), papers/adasd.md §2).
   budget = block.limit - block.lengths - 1 if policy.variable else None   # [B]
-  decide = functools.partial(_decide, policy, rule, _step_keys(block.keys, K, unrolled),
+  decide = functools.partial(_decide, policy, rule, _step_keys(block.keys, K),
                              block.rule_state, budget)
 
   def body(d: _Drafting) -> _Drafting:
@@ -208,13 +208,11 @@ class _Drafting:
   carry: Any             # what the draft's step reads and updates (its KV cache)
 
 
-def _step_keys(keys: jax.Array, gamma: int, all_steps: bool):
-  """step -> fold_in(keys[b], step) [B]. all_steps: derive every step's keys at once (one PRNG
-  call per block when all gamma steps run); else per step (variable-length drafts stop early)."""
-  if not all_steps:
-    return lambda step: jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
-  table = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(
-      jnp.arange(gamma, dtype=jnp.uint32)))(keys)                         # [B, K]
+def _step_keys(keys: jax.Array, gamma: int):
+  """step -> fold_in(keys[b], step) [B], every step's keys derived at once: one PRNG call per
+  block (and one threefry in the compiled program, not one before the draft loop and another
+  in its body), whether every step runs or drafting stops early."""
+  table = sampling.fold_table(keys, gamma)                                 # [B, K]
   return lambda step: jnp.take(table, jnp.minimum(step, gamma - 1), axis=1)
 
 

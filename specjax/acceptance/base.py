@@ -142,10 +142,9 @@ def verify_streams(keys: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
 
   Draft j's uniform depends on (row key, j) only, not on num: a verify pass narrowed to the
   drafts actually made (variable-length rules) draws the same numbers as a full one."""
-  positions = jnp.arange(num, dtype=jnp.uint32)
-  per_draft = lambda k: jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(k, j)))(positions)
   purpose_keys = sampling.fold_table(keys, 2)                             # [B, 2]
-  return jax.vmap(per_draft)(purpose_keys[:, 0]), purpose_keys[:, 1]
+  draft_keys = sampling.fold_table(purpose_keys[:, 0], num)               # [B, num]
+  return jax.vmap(jax.vmap(jax.random.uniform))(draft_keys), purpose_keys[:, 1]
 
 
 def ratio_accept(uniforms: jax.Array, log_fp: jax.Array, log_q: jax.Array) -> jax.Array:

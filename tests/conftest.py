@@ -15,12 +15,16 @@ import pytest
 # fused loops; the older elemental emitter compiles a loop in half the time). Both change how
 # fast the code runs, and together at most the last bit of a float (tests that compare two
 # programs bit for bit say so). The test suite runs without them on the CPU: about 45% less
-# wall time. Set before the backend starts (it reads XLA_FLAGS once); subprocesses
-# inherit it. SPECJAX_TEST_LLVM_OPT=1 keeps XLA's defaults.
+# wall time. XLA:CPU also splits a program's code into 32 parts that LLVM compiles on parallel
+# threads, each with its own set-up; with one test process per core there is no idle core to
+# run them on, and one part compiles a loop's code in less CPU (the same machine code at O0).
+# Set before the backend starts (it reads XLA_FLAGS once); subprocesses inherit it.
+# SPECJAX_TEST_LLVM_OPT=1 keeps XLA's defaults.
 if os.environ.get("JAX_PLATFORMS") == "cpu" and not os.environ.get("SPECJAX_TEST_LLVM_OPT"):
   os.environ["XLA_FLAGS"] = " ".join(filter(None, [
       os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-      "--xla_llvm_disable_expensive_passes=true", "--xla_cpu_use_fusion_emitters=false"]))
+      "--xla_llvm_disable_expensive_passes=true", "--xla_cpu_use_fusion_emitters=false",
+      "--xla_cpu_parallel_codegen_split_count=1"]))
 
 # Many tests compile the same programs (the same tiny models, shapes and rules): one persistent
 # compilation cache for the whole run, made by the first process (pytest-xdist's controller, whose
@@ -32,6 +36,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not i
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_OWN_COMPILE_CACHE,
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def pytest_collection_finish(session):
+  """Python's cyclic garbage collector walks every live object in its oldest generation, and a
+  test process holds millions (jax, flax, transformers, then the traced and compiled programs):
+  the modules and tests collected so far are frozen out of its walks, and its younger
+  generations are collected less often (each pass of tracing allocates and frees a great many
+  small objects)."""
+  gc.freeze()
+  gc.set_threshold(10_000, 20, 1_000)
 
 
 def pytest_unconfigure(config):

@@ -17,7 +17,7 @@ import pytest
 # programs bit for bit say so). The test suite runs without them on the CPU: about 45% less
 # wall time. XLA:CPU also splits a program's code into 32 parts that LLVM compiles on parallel
 # threads, each with its own set-up; with one test process per core there is no idle core to
-# run them on, and one part compiles a loop's code in less CPU (the same machine code at O0).
+# run them on, and one part compiles a loop's code in less CPU (the same tokens at O0).
 # Set before the backend starts (it reads XLA_FLAGS once); subprocesses inherit it.
 # SPECJAX_TEST_LLVM_OPT=1 keeps XLA's defaults.
 if os.environ.get("JAX_PLATFORMS") == "cpu" and not os.environ.get("SPECJAX_TEST_LLVM_OPT"):

@@ -25,6 +25,7 @@ from eval import flags
 from specjax.app import cli, methods, outputs, runner
 from specjax.app.config import input_paths, load_config
 from specjax.data import stdlib_corpus
+from specjax.decoding.state import position_limit
 
 
 def parse_args(argv):
@@ -65,8 +66,12 @@ def _kl(base_logits, variant_logits):
 def teacher_forced(base, variant, num_texts: int, length: int) -> dict:
   """Mean next-token KL and argmax agreement over held-out stdlib chunks."""
   tok = base.target.tokenizer
-  texts = [ids[:length] for ids in (tok.encode(t) for t in stdlib_corpus.load_corpus()
-                                    .lm_split("test")) if len(ids) >= length][:num_texts]
+  encoded = [tok.encode(t) for t in stdlib_corpus.load_corpus().lm_split("test")]
+  texts = [ids[:length] for ids in encoded if len(ids) >= length][:num_texts]
+  if not texts:
+    raise ValueError(f"--text_tokens {length}: no held-out text is that long under the target's "
+                     f"tokenizer (the longest has {max(map(len, encoded))} tokens): use "
+                     f"--text_tokens {max(map(len, encoded))} or less")
   kls, agree = [], []
   for ids in texts:
     tokens = jnp.asarray([ids], jnp.int32)
@@ -80,21 +85,41 @@ def teacher_forced(base, variant, num_texts: int, length: int) -> dict:
           "kl_median": statistics.median(kls), "argmax_agreement": sum(agree) / len(agree)}
 
 
+def check_variant(variant_flags: list[str]) -> None:
+  """Refuse no --variant, or one whose flags do not reach the target (draft, rule and decode
+  settings change nothing when the target decodes alone: the report would say 'identical')."""
+  if not variant_flags:
+    raise ValueError("--variant: give the variant's flags, e.g. "
+                     "--variant=--config.target.quant=int8")
+  elsewhere = [f for f in variant_flags if not f.startswith("--config.target.")]
+  if elsewhere:
+    raise ValueError(f"--variant {' '.join(elsewhere)}: the variant is the target decoding "
+                     f"alone with other --config.target.* settings (quant, dtype, layout, ...); "
+                     f"other flags change nothing here")
+
+
+def check_length(base, length: int) -> None:
+  """Refuse --text_tokens beyond the target's position table."""
+  limit = position_limit(base.target.model)
+  if limit is not None and length > limit:
+    raise ValueError(f"--text_tokens {length}: the target reads at most {limit} positions (its "
+                     f"n_positions): use --text_tokens {limit} or less")
+
+
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
 
   def go():
     flags.check_counts(num_prompts=args.num_prompts, num_texts=args.num_texts,
                        text_tokens=args.text_tokens)
-    if not args.variant:
-      raise ValueError("--variant: give the variant's flags, e.g. "
-                       "--variant=--config.target.quant=int8")
+    check_variant(args.variant)
     output = flags.output_file(args.output_json, "--output_json")
     cli.setup()
     config = load_config(args.config, overrides)
     variant_config = load_config(args.config, [*overrides, *args.variant])
     outputs.check_not_input(output, input_paths(args.config, config), "--output_json")
     base = methods.autoregressive(config).with_settings(temperature=0.0)
+    check_length(base, args.text_tokens)
     variant = methods.autoregressive(variant_config).with_settings(temperature=0.0)
     prompts = runner.eval_prompts(config, args.num_prompts)
     report = {"variant": args.variant, "greedy": greedy(base, variant, prompts),

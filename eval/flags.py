@@ -35,6 +35,15 @@ def parse_gammas(text: str | None, flag: str = "--gamma") -> list[int]:
   return gammas
 
 
+def names(text: str, flag: str, example: str) -> list[str]:
+  """'target, exact,' -> ['target', 'exact']: a comma-separated list that names at least one
+  item; an empty one is refused with `example`."""
+  items = [t.strip() for t in text.split(",") if t.strip()]
+  if not items:
+    raise ValueError(f"{flag} {text!r} names nothing: give comma-separated names, e.g. {example}")
+  return items
+
+
 def output_file(path: str | None, flag: str) -> pathlib.Path | None:
   """The absolute output path, refused now if it cannot be written; None when not asked for."""
   return None if path is None else outputs.check_output_file(path, flag)

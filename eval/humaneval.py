@@ -268,13 +268,15 @@ def check_room(method, problems: list[dict], max_new_tokens: int) -> None:
     room = method.room(loaded)
     if room is None:
       continue
-    longest = max(len(method.encode_text(loaded, p["prompt"])) for p in problems)
+    longest, task = max((len(method.encode_text(loaded, p["prompt"])), p["task_id"])
+                        for p in problems)
     if longest > room.longest:
       most = room.largest_max_new_tokens(longest)
+      fix = (f"use --max_new_tokens {most} or less" if most and most >= 1 else
+             "no --max_new_tokens fits: leave that problem out (--limit, --offset) or use a "
+             "model with more positions")
       raise ConfigError(f"--max_new_tokens {max_new_tokens}: {room.describe()}, and the longest "
-                        f"problem prompt takes {longest}: use --max_new_tokens "
-                        f"{max(most or 0, 0)} or less" + (" (or a model with more positions)"
-                                                          if not most or most < 1 else ""))
+                        f"problem prompt ({task}) takes {longest}: {fix}")
 
 
 def run_method(method, problems, args, settings) -> dict:

@@ -188,10 +188,10 @@ def main(argv=None) -> int:
 
   def go():
     flags.check_counts(num_prompts=args.num_prompts, repeats=args.repeats)
+    items = flags.names(args.methods, "--methods", "target,exact")
     out = flags.output_file(args.output_json, "--output_json")
     md = flags.output_file(args.output_md, "--output_md")
     cli.setup()
-    items = [t.strip() for t in args.methods.split(",") if t.strip()]
     config = load_config(args.config, overrides)
     prompts = prompts_for(config, args)
     peer = llamacpp.Setup.of(args.llama_cpp, config) if args.llama_cpp else None

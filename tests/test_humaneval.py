@@ -210,7 +210,8 @@ def test_max_new_tokens_the_caches_cannot_hold_is_refused_before_decoding(pair):
   cfg = config.load_config("tiny.py", [f"--config.target.checkpoint={pair['target']}",
                                        f"--config.draft.checkpoint={pair['draft']}"])
   method = methods.build(cfg)
-  problems = [{"prompt": "def f(x):\n    return x\n"}, {"prompt": "def g():\n"}]
+  problems = [{"task_id": "T/0", "prompt": "def f(x):\n    return x\n"},
+              {"task_id": "T/1", "prompt": "def g():\n"}]
   longest = max(len(method.encode_text(method.target, p["prompt"])) for p in problems)
   most = 128 - 4 - longest                        # positions - gamma - prompt
   with pytest.raises(humaneval.ConfigError, match=rf"--max_new_tokens 384: the target's cache holds 128 "

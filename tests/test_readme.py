@@ -263,6 +263,16 @@ def check_metrics(workdir: str, steps: int):
   return check
 
 
+def check_head_training(workdir: str):
+  """The head trained on text its target's tokenizer reads (the embedded pair's spm.model, not
+  an empty tokenizer that encodes every prompt to no ids)."""
+  def check(done: Done) -> None:
+    check_metrics(workdir, 4)(done)
+    ids = re.search(r"^data: task \w+ .* with tokenizer .* \((\d+) ids\)", done.proc.stderr, re.M)
+    assert ids and int(ids.group(1)) > 100, done.proc.stderr[-2000:]
+  return check
+
+
 def check_cache(workdir: str, batches: int):
   """The run trained, and its teacher cache holds `batches` batches (a 4-step run builds them
   all before its first step)."""
@@ -474,7 +484,7 @@ COMMANDS: dict[str, Run | Skip] = {
         check_metrics("runs/tiny_distill", 4), TRAIN, pair=False, cost=10,
         after="python -m train.pretrain --config distill_tiny.py --workdir runs/tiny_target"),
     "python -m train.distill --config head_tiny.py --workdir runs/head_tiny": Run(
-        check_metrics("runs/head_tiny", 4), HEAD_TRAIN, cost=8),
+        check_head_training("runs/head_tiny"), HEAD_TRAIN, cost=8),
     "python -m specjax.decode --config tiny.py --config.draft.method=head "
     "--config.draft.checkpoint=runs/head_tiny": Run(
         check_stats, TINY, cost=6,

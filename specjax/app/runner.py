@@ -47,19 +47,19 @@ def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: 
   out = list(done or [])
   pending = decoder.batches(method, formatted(method, prompts), key, stream=stream,
                             pad_batches=pad_batches, first=len(out))
-  for start in range(len(out), len(prompts), batch_size):
-    if live:
-      show(f"> {prompts[start]}\n")
-    try:
+  try:           # Ctrl-C anywhere in a batch: decoding, printing or saving the rows so far
+    for start in range(len(out), len(prompts), batch_size):
+      if live:
+        show(f"> {prompts[start]}\n")
       _, rows = next(pending)
-    except KeyboardInterrupt:
-      raise Interrupted(out) from None
-    for p, (ids, text, st) in zip(prompts[start:start + batch_size], rows):
-      if show is not None:
-        show("\n\n" if live else f"> {p}\n{text}\n\n")
-      out.append((p, ids, text, st))
-    if on_batch is not None:
-      on_batch(out)
+      for p, (ids, text, st) in zip(prompts[start:start + batch_size], rows):
+        if show is not None:
+          show("\n\n" if live else f"> {p}\n{text}\n\n")
+        out.append((p, ids, text, st))
+      if on_batch is not None:
+        on_batch(out)
+  except KeyboardInterrupt:
+    raise Interrupted(out) from None
   return out
 
 

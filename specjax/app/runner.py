@@ -79,13 +79,16 @@ def check_overrides_apply(config, overrides) -> None:
   """Refuse the user's own overrides that the configured method would ignore (rule.*, draft.*,
   decode.gamma, decode.lookbehind when the target decodes alone): a run that silently drops
   --config.rule.name=lenient reports target-only results as if they were lenient ones. The
-  config's own values are never refused (tiny.py's rule is there for when a draft is given)."""
-  if methods.method_name(config) != "autoregressive":
-    return
+  config's own values are never refused (tiny.py's rule is there for when a draft is given).
+  With a drafter that has no model of its own (ngram, early_exit, head), the user's draft.*
+  settings that it never reads (the draft model's checkpoint, quant, dtype, ...) are refused."""
   # The last override of a key is the one that counts (an earlier --config.draft.checkpoint=PATH
   # emptied by a later --config.draft.checkpoint= is the user turning the draft off).
   last = {o.partition("=")[0]: o for o in (o.removeprefix("--").removeprefix("config.")
                                            for o in overrides)}
+  if methods.method_name(config) != "autoregressive":
+    _check_drafter_reads(config, last)
+    return
   ignored = [f"--config.{o}" for o in last.values()
              if o.startswith(DRAFT_ONLY) and o not in TURNS_OFF]
   if not ignored:
@@ -98,6 +101,21 @@ def check_overrides_apply(config, overrides) -> None:
   raise ConfigError(f"{', '.join(ignored)} {have} no effect {why}: the target decodes alone. "
                     f"For speculative decoding {fix}; to decode with the target alone, drop "
                     f"{'it' if len(ignored) == 1 else 'them'}")
+
+
+def _check_drafter_reads(config, last: dict) -> None:
+  drafter = methods.drafter_settings(config).method
+  reads = methods.DRAFTER_READS.get(drafter)
+  if reads is None:                 # a draft model: every field of its section counts
+    return
+  ignored = [f"--config.{o}" for key, o in last.items()
+             if key.startswith("draft.") and key.removeprefix("draft.") not in reads]
+  if ignored:
+    raise ConfigError(f"{', '.join(ignored)}: --config.draft.method={drafter} reads only "
+                      f"{', '.join(f'draft.{r}' for r in reads)} of the draft section, so "
+                      f"{'this has' if len(ignored) == 1 else 'these have'} no effect: drop "
+                      f"{'it' if len(ignored) == 1 else 'them'}, or draft with a model "
+                      f"(--config.draft.method=model)")
 
 
 def run(config, prompts: list[str], show: Callable[[str], None] | None = None,

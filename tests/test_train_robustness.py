@@ -6,6 +6,7 @@ not overwritten unless asked, nonsense values refused, exports atomic and strict
 from __future__ import annotations
 
 import json
+import re
 import logging
 import os
 import signal
@@ -271,6 +272,29 @@ def test_run_records_refuse_another_job_or_field_and_allow_more_steps(tmp_path):
   (tmp_path / "params").rmdir()                            # nothing trained: a fresh start
   training.check_run_record(tmp_path, training.run_record(other, pretrain=False))
   assert json.loads((tmp_path / "run.json").read_text())["job"] == "train.distill"
+
+
+def test_a_distillation_resumed_over_a_changed_teacher_is_refused(tmp_path):
+  """run.json kept only the teacher's init_from path: a teacher workdir trained further (its
+  params exported again) was adopted on resume, and the run distilled towards two teachers."""
+  teacher, run = tmp_path / "teacher", tmp_path / "run"
+  (teacher / "params").mkdir(parents=True)
+  (teacher / "params" / "weights").write_bytes(b"step 60")
+  (run / "params").mkdir(parents=True)                      # the distillation's own state
+  config = {"target": {"init_from": str(teacher)}, "draft": {"d_model": 32}, "data": {},
+            "distill": {"recipe": "gkd"}, "train": {"steps": 20}}
+  training.check_run_record(run, training.run_record(config, pretrain=False))
+  more = dict(config, train={"steps": 40})
+  training.check_run_record(run, training.run_record(more, pretrain=False))   # the same teacher
+  (teacher / "params" / "weights").write_bytes(b"step 90 and more")           # exported again
+  with pytest.raises(ConfigError, match=re.escape(
+      f"--workdir {run} holds a train.distill run whose teacher's params "
+      f"(--config.target.init_from={teacher}) have changed since it began")):
+    training.check_run_record(run, training.run_record(more, pretrain=False))
+  saved = json.loads((run / "run.json").read_text())
+  del saved["teacher"]                                      # a run.json from before the stamps
+  (run / "run.json").write_text(json.dumps(saved))
+  training.check_run_record(run, training.run_record(more, pretrain=False))
 
 
 def _damage(workdir, step):

@@ -24,6 +24,7 @@ from specjax import sharding
 from specjax.app import builders, outputs, resolve
 from specjax.app import config as config_lib
 from specjax.app.config import ConfigError
+from specjax.data.cache import settings_key
 from specjax.app.fit import ProgressDisplay, check_workdir, fit, open_source, train_flag
 from specjax.distill import trainer as trainer_lib
 from specjax.distill.metrics_log import count_text
@@ -159,7 +160,18 @@ def run_record(config, pretrain: bool) -> dict:
     fields.pop("distill.cache_batches", None)
     fields.pop("distill.cache_top_k", None)
   record = {"job": "train.pretrain" if pretrain else "train.distill", "fields": fields}
+  if not pretrain and fields.get("target.init_from"):
+    record["teacher"] = params_stamp(fields["target.init_from"])
   return json.loads(json.dumps(outputs.strict(record), default=str))
+
+
+def params_stamp(workdir: str) -> str:
+  """A key of the params a workdir exported (their files' names, sizes and modification times):
+  it changes when the run there trains on and exports again, or another run replaces them."""
+  params = Path(workdir).absolute() / "params"
+  files = sorted(f for f in params.rglob("*") if f.is_file()) if params.is_dir() else []
+  return settings_key({str(f.relative_to(params)): [f.stat().st_size, f.stat().st_mtime_ns]
+                       for f in files})
 
 
 def check_run_record(workdir: Path, record: dict) -> None:
@@ -220,6 +232,15 @@ def record_mismatch(saved: dict, record: dict) -> str:
     return (f"holds a {saved.get('job')} run, and this is {record['job']}: give each job its own "
             f"--workdir (a pretrained model goes into distillation as "
             f"--config.ROLE.init_from=ITS_WORKDIR)")
+  # A record without a teacher stamp (init_from unset, or a run.json from before stamps) is
+  # checked by its fields alone.
+  if "teacher" in saved and "teacher" in record and saved["teacher"] != record["teacher"]:
+    source = record["fields"]["target.init_from"]
+    return (f"holds a train.distill run whose teacher's params (--config.target.init_from="
+            f"{source}) have changed since it began (exported again, or replaced): resuming "
+            f"would distil towards another teacher. Point init_from at the params it began "
+            f"with, or choose another --workdir (the same params copied, with new modification "
+            f"times: delete its {RUN_FILE} to adopt them)")
   old, new = saved.get("fields", {}), record["fields"]
   # Values changed first, then fields only one side has (a section of another model).
   differ = sorted((k for k in set(old) | set(new) if old.get(k) != new.get(k)),

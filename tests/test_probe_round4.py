@@ -210,3 +210,22 @@ def test_draft_settings_that_the_drafter_never_reads_are_refused(drafter, flag):
     runner.check_overrides_apply(load_config("tiny.py", overrides), overrides)
   model = ["--config.draft.quant=int8", "--config.draft.dtype=bfloat16"]      # a model reads them
   runner.check_overrides_apply(load_config("tiny.py", model), model)
+
+
+def _start(argv0: str, then: str):
+  import subprocess
+  import sys
+  code = (f"import sys; sys.argv[:1] = [{argv0!r}]; sys.orig_argv = ['python', '-m', "
+          f"'specjax.decode']; import specjax; {then}")
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_ctrl_c_while_a_command_imports_prints_one_line():
+  """A Ctrl-C in the first second of `python -m specjax.decode` (jax importing, before main's
+  own handler) printed Python's KeyboardInterrupt traceback."""
+  done = _start("-m", "raise KeyboardInterrupt")           # as `python -m specjax.X` starts
+  assert done.stderr == "specjax.decode: interrupted\n" and done.returncode != 0, done
+  done = _start("-m", "raise ValueError('other errors keep their report')")
+  assert "Traceback" in done.stderr and "other errors keep their report" in done.stderr
+  done = _start("script.py", "raise KeyboardInterrupt")    # a user's program importing specjax
+  assert "Traceback" in done.stderr and "KeyboardInterrupt" in done.stderr, done

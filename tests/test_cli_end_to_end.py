@@ -98,6 +98,13 @@ def _decode(pair, name: str, *extra: str) -> list[str]:
                   "--output_json", str(pair["root"] / f"{name}.json"), *extra)
 
 
+def _lookup(pair, name: str, *extra: str) -> list[str]:
+  """A prompt-lookup decode: without the draft checkpoint, which prompt lookup never reads (a
+  user's --config.draft.checkpoint is refused with it)."""
+  return [a for a in _decode(pair, name, "--config.draft.method=ngram", *extra)
+          if not a.startswith("--config.draft.checkpoint=")]
+
+
 def _ok_json(pair, proc, name: str) -> dict:
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads((pair["root"] / f"{name}.json").read_text())
@@ -194,10 +201,9 @@ def test_prompt_lookup_from_the_command_line(pair):
   and a rule that needs a draft distribution is refused with the reason."""
   greedy = ("--config.decode.temperature=0",)
   lookup, ar, fuzzy = _run(
-      pair, _decode(pair, "ngram", "--config.draft.method=ngram", "--config.rule.name=greedy",
-                    *greedy),
+      pair, _lookup(pair, "ngram", "--config.rule.name=greedy", *greedy),
       _decode(pair, "ngram_ar", "--config.draft.checkpoint=", *greedy),
-      _decode(pair, "ngram_fuzzy", "--config.draft.method=ngram", "--config.rule.name=fuzzy"))
+      _lookup(pair, "ngram_fuzzy", "--config.rule.name=fuzzy"))
   lookup, ar = _ok_json(pair, lookup, "ngram"), _ok_json(pair, ar, "ngram_ar")
   assert lookup["results"][0]["tokens"] == ar["results"][0]["tokens"]
   assert lookup["settings"]["draft"]["method"] == "ngram"

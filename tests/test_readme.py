@@ -268,7 +268,7 @@ def check_head_training(workdir: str):
   an empty tokenizer that encodes every prompt to no ids)."""
   def check(done: Done) -> None:
     check_metrics(workdir, 4)(done)
-    ids = re.search(r"^data: task \w+ .* with tokenizer .* \((\d+) ids\)", done.proc.stderr, re.M)
+    ids = re.search(r"\bdata: task \w+ .* with tokenizer .* \((\d+) ids\)", done.proc.stderr)
     assert ids and int(ids.group(1)) > 100, done.proc.stderr[-2000:]
   return check
 

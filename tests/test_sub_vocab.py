@@ -120,6 +120,9 @@ def test_refusals_name_the_problem():
     specjax.sub_vocab(cut, 3, counts=np.ones(16))
   with pytest.raises(specjax.UsageError, match=r"one count per draft id, \(16,\)"):
     specjax.sub_vocab(_draft(), 4, counts=np.ones(3))
+  for bad in (-np.ones(16), np.full(16, np.nan), np.array(["1"] * 16)):   # ranked as given before
+    with pytest.raises(specjax.UsageError, match="counts: give finite counts >= 0, one per draft"):
+      specjax.sub_vocab(_draft(), 4, counts=bad)
   model, params = testing.tiny_t5()
   with pytest.raises(specjax.UsageError, match="encoder-decoder"):
     specjax.sub_vocab(LoadedModel(model, params, STOP, None), 4, counts=np.ones(48))

@@ -92,6 +92,10 @@ def _most_frequent(tokenizer, vocab: int, k, counts, flag: str, who: str) -> Sub
   counts = stdlib_counts(tokenizer, vocab) if counts is None else np.asarray(counts)
   if counts.shape != (vocab,):
     raise UsageError(f"counts has shape {counts.shape}: give one count per {who} id, ({vocab},)")
+  if not (np.issubdtype(counts.dtype, np.number) and np.all(np.isfinite(counts))
+          and np.all(counts >= 0)):
+    raise UsageError(f"counts: give finite counts >= 0, one per {who} id (an id's count ranks "
+                     f"it; found {counts.dtype} values outside that)")
   return SubVocab.most_frequent(counts, k, always=stops)
 
 

@@ -24,8 +24,8 @@ from specjax import sharding
 from specjax.app import builders, outputs, resolve
 from specjax.app import config as config_lib
 from specjax.app.config import ConfigError
-from specjax.data.cache import settings_key
 from specjax.app.fit import ProgressDisplay, check_workdir, fit, open_source, train_flag
+from specjax.data.cache import settings_key
 from specjax.distill import trainer as trainer_lib
 from specjax.distill.metrics_log import count_text
 from specjax.models.draft_head import DraftHead

@@ -176,6 +176,14 @@ def test_bad_arguments_are_refused_before_decoding(models, monkeypatch, kwargs, 
     specjax.generate(models["target"], PROMPTS, draft=models["draft"], **kwargs)
 
 
+def test_draft_confidence_without_a_draft_is_refused(models):
+  """It was accepted and changed nothing (the target decoded alone)."""
+  with pytest.raises(specjax.UsageError, match=r"draft_confidence=0.5 ends drafting by the "
+                     r"draft's confidence, and there is no draft: pass draft=\.\.\. or drop it"):
+    specjax.SpeculativeDecoder(models["target"], draft_confidence=0.5)
+  specjax.SpeculativeDecoder(models["target"], draft_confidence=0.0)
+
+
 @pytest.mark.parametrize("prompts,message", [
     ("def f(x):", "pass a non-empty list of strings"),
     ([], "pass a non-empty list"),

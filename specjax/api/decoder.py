@@ -80,6 +80,9 @@ class SpeculativeDecoder:
                              or set(mesh.axis_names) != {"data", "model"}):
       raise UsageError(f"mesh={mesh!r}: pass a jax.sharding.Mesh with axes ('data', 'model') "
                        f"(specjax.sharding.make_mesh(data, model)), or None for one device")
+    if draft is None and draft_confidence:
+      raise UsageError(f"draft_confidence={draft_confidence!r} ends drafting by the draft's "
+                       f"confidence, and there is no draft: pass draft=... or drop it")
     base = _settings(gamma=gamma, max_len=max_len)
     method = _method(target, draft, rule, rule_args, base, mesh)
     self.method = dataclasses.replace(method, arg_prefix="", settings=_replace(

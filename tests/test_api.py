@@ -176,12 +176,16 @@ def test_bad_arguments_are_refused_before_decoding(models, monkeypatch, kwargs, 
     specjax.generate(models["target"], PROMPTS, draft=models["draft"], **kwargs)
 
 
-def test_draft_confidence_without_a_draft_is_refused(models):
-  """It was accepted and changed nothing (the target decoded alone)."""
+def test_drafting_arguments_without_a_draft_are_refused(models):
+  """They were accepted and changed nothing (the target decoded alone)."""
   with pytest.raises(specjax.UsageError, match=r"draft_confidence=0.5 ends drafting by the "
                      r"draft's confidence, and there is no draft: pass draft=\.\.\. or drop it"):
     specjax.SpeculativeDecoder(models["target"], draft_confidence=0.5)
+  with pytest.raises(specjax.UsageError, match=r"gamma=7 sets the draft tokens per block, and "
+                     r"there is no draft"):
+    specjax.generate(models["target"], PROMPTS, gamma=7)
   specjax.SpeculativeDecoder(models["target"], draft_confidence=0.0)
+  assert specjax.SpeculativeDecoder(models["target"], models["draft"]).method.settings.gamma == 4
 
 
 @pytest.mark.parametrize("prompts,message", [

@@ -76,6 +76,16 @@ def test_a_set_gamma_or_confidence_replaces_the_auto_choice(kernel):
   assert (settings.gamma, settings.draft_confidence) == (7, 0.0)
 
 
+def test_gamma_auto_is_taken_where_the_config_sets_a_number(kernel):
+  """tiny.py's decode.gamma is 4: "auto" was refused as "expects a number"."""
+  kernel("vnni")
+  config = load_config("tiny.py", ["--config.decode.gamma=auto", "--config.target.quant=int8"])
+  settings = builders.decode_settings(config)
+  assert (settings.gamma, settings.draft_confidence) == (7, 0.7)
+  config = load_config("tiny.py", ["--config.decode.gamma=auto", "--config.decode.gamma=5"])
+  assert builders.decode_settings(config).gamma == 5
+
+
 class _Tokenizer:
   def apply_chat_template(self, text):
     return f"<user>{text}</user><assistant>"

@@ -56,7 +56,8 @@ class SpeculativeDecoder:
   specjax.NGram(ngram_max=3, ngram_min=1): no model, drafts copied from the prompt and the
   output (rules exact, greedy, lenient, hf_greedy_draft), or a draft head trained for the
   target, specjax.draft_head(target, WORKDIR) (any same-vocabulary rule). rule: a rule name or an acceptance rule object
-  (None: "exact" with a draft; the target alone without one). gamma: draft tokens per block.
+  (None: "exact" with a draft; the target alone without one). gamma: draft tokens per block
+  (None: 4; a number without a draft is refused, as it would change nothing).
   draft_confidence > 0: a block's drafting ends after a draft whose top probability under the
   draft is below it, so gamma is the most per block (Hugging Face's
   assistant_confidence_threshold; the real pair: gamma 7, 0.7); 0: gamma drafts every block.
@@ -70,8 +71,8 @@ class SpeculativeDecoder:
   recompiles). Raises UsageError (and the loaders' errors) before anything is compiled."""
 
   def __init__(self, target: LoadedModel, draft: LoadedModel | NGram | str | None = None, *,
-               rule: str | Rule | None = None, gamma: int = 4, mesh=None, max_len: int = 0,
-               draft_confidence: float = 0.0, **rule_args):
+               rule: str | Rule | None = None, gamma: int | None = None, mesh=None,
+               max_len: int = 0, draft_confidence: float = 0.0, **rule_args):
     _check_model(target, "target")
     draft = NGram() if draft == "ngram" else draft
     if draft is not None and not isinstance(draft, (NGram, LoadedHead)):
@@ -80,10 +81,8 @@ class SpeculativeDecoder:
                              or set(mesh.axis_names) != {"data", "model"}):
       raise UsageError(f"mesh={mesh!r}: pass a jax.sharding.Mesh with axes ('data', 'model') "
                        f"(specjax.sharding.make_mesh(data, model)), or None for one device")
-    if draft is None and draft_confidence:
-      raise UsageError(f"draft_confidence={draft_confidence!r} ends drafting by the draft's "
-                       f"confidence, and there is no draft: pass draft=... or drop it")
-    base = _settings(gamma=gamma, max_len=max_len)
+    _check_draft_args(draft, gamma=gamma, draft_confidence=draft_confidence)
+    base = _settings(gamma=4 if gamma is None else gamma, max_len=max_len)
     method = _method(target, draft, rule, rule_args, base, mesh)
     self.method = dataclasses.replace(method, arg_prefix="", settings=_replace(
         method.settings, draft_confidence=draft_confidence))
@@ -128,8 +127,8 @@ class SpeculativeDecoder:
 
 def generate(target: LoadedModel, prompts: Prompts, *,
              draft: LoadedModel | NGram | str | None = None, rule: str | Rule | None = None,
-             gamma: int = 4, mesh=None, max_len: int = 0, draft_confidence: float = 0.0,
-             **kwargs) -> Result:
+             gamma: int | None = None, mesh=None, max_len: int = 0,
+             draft_confidence: float = 0.0, **kwargs) -> Result:
   """One call: SpeculativeDecoder(target, draft, rule=rule, gamma=gamma, mesh=mesh,
   max_len=max_len, draft_confidence=draft_confidence, **rule_args).generate(prompts,
   **decode_args), where kwargs holds both
@@ -159,6 +158,17 @@ def _rule_arg_names(rule) -> set[str]:
     return set(rules.hyperparameters(rules.rule_class(rule)))
   except UsageError:
     return set()
+
+
+def _check_draft_args(draft, **values) -> None:
+  """Drafting's arguments without a draft would change nothing: a UsageError naming the first
+  one set (gamma not None, draft_confidence not 0)."""
+  what = {"gamma": "sets the draft tokens per block",
+          "draft_confidence": "ends drafting by the draft's confidence"}
+  for name, value in values.items():
+    if draft is None and value not in (None, 0):
+      raise UsageError(f"{name}={value!r} {what[name]}, and there is no draft: pass "
+                       f"draft=... or drop it")
 
 
 def _check_stream(stream) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 import ml_collections
 
 OPEN_SECTIONS = ("rule",)
+# Words a numeric field also takes, whatever its config's default (decode.gamma=4 in tiny.py).
+WORDS = {"decode.gamma": ("auto",)}
 PACKAGE = "specjax.configs"
 NOT_CONFIGS = ("__init__", "common")
 
@@ -166,6 +168,10 @@ def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
   if hasattr(old, "keys"):
     raise ConfigError(f"--config.{key} is a section: set its fields, --config.{key}.FIELD=VALUE "
                       f"(fields: {', '.join(sorted(old.keys()))})")
+  if raw in WORDS.get(key, ()):
+    with node.ignore_type():
+      node[leaf] = raw
+    return
   value = _typed(raw, old, key)
   try:
     node[leaf] = value

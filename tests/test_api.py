@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import shutil
 import string
 import textwrap
@@ -248,6 +249,22 @@ def test_a_prompt_the_cache_cannot_hold_names_the_arguments_to_change(models):
                      ) as err:
     specjax.generate(models["target"], ["x = 1\n" * 16], max_new_tokens=100)
   assert "--config" not in str(err.value) and "truncate=left" in str(err.value)
+
+
+def test_an_id_prompt_too_long_is_named_by_its_ids_and_a_cut_by_the_python_argument(
+    models, caplog):
+  ids = list(range(5, 205))
+  with pytest.raises(ValueError, match=r"prompt of ids \[5, 6, 7, 8, 9, 10, 11, 12, \.\.\.\] has "
+                                       r"200 tokens"):
+    specjax.generate(models["target"], [ids], max_new_tokens=8)
+  logging.getLogger("specjax").addHandler(caplog.handler)
+  try:
+    with caplog.at_level(logging.WARNING, logger="specjax"):
+      specjax.generate(models["target"], [ids], max_new_tokens=2, truncate="left")
+  finally:
+    logging.getLogger("specjax").removeHandler(caplog.handler)
+  assert "prompt of ids [5, 6, " in caplog.text and "(truncate=left)" in caplog.text
+  assert "--config" not in caplog.text
 
 
 def test_temperature_and_top_p_are_traced_not_compiled_in(models):

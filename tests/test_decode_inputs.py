@@ -90,6 +90,13 @@ def test_nonsense_decode_settings_are_refused_before_any_build(capsys, override,
     assert "[0, 4294967295]" in err
 
 
+def test_a_field_for_a_rule_without_hyperparameters_names_the_flag_to_drop():
+  config = load_config("tiny.py", ["--config.rule.name=exact", "--config.rule.eps=0.3"])
+  with pytest.raises(ConfigError, match=r"--config.rule.name=exact takes no hyperparameters: "
+                     r"drop --config.rule.eps"):
+    builders.rule(config)
+
+
 def test_the_largest_seed_is_accepted():
   settings = builders.decode_settings(load_config("tiny.py", ["--config.decode.seed=4294967295"]))
   assert settings.seed == 2**32 - 1

@@ -227,7 +227,6 @@ class Method:
     cache (prompt_fit), padded to a bucket of at least `width` clipped to the cache's room."""
     encoder_decoder = loaded.model.is_encoder_decoder
     rows = self._rows(loaded, texts)
-    texts = [t if isinstance(t, str) else f"of ids {list(t)[:8]}" for t in texts]
     room = self.room(loaded)
     rows = prompt_fit.fit(rows, texts, room, truncate=self.settings.truncate,
                           encoder_decoder=encoder_decoder, bos=prompting.has_bos(loaded.tokenizer))

@@ -99,7 +99,11 @@ class PromptTooLongError(ValueError):
                      f"{room.describe()}, so {fits}: {fixes}")
 
 
-def _quote(text: str, width: int = 30) -> str:
+def _quote(text, width: int = 30) -> str:
+  """A prompt as messages name it: its text's first `width` characters, or its first 8 ids."""
+  if not isinstance(text, str):
+    ids = [int(i) for i in text]
+    return f"of ids [{', '.join(map(str, ids[:8]))}{', ...' if len(ids) > 8 else ''}]"
   return repr(text if len(text) <= width else text[:width] + "...")
 
 
@@ -125,8 +129,8 @@ def _cut_left(row: list[int], room: Room, head: int, text: str) -> list[int]:
   """The first `head` tokens (a BOS) and the last ones that fit; the cut is logged."""
   kept = row[:head] + row[len(row) - (room.longest - head):]
   log.warning("prompt %s: dropped the first %d of its %d tokens to fit %s's cache "
-              "(--config.decode.truncate=left)", _quote(text), len(row) - len(kept), len(row),
-              room.model)
+              "(%struncate=left)", _quote(text), len(row) - len(kept), len(row), room.model,
+              room.prefix)
   return kept
 
 

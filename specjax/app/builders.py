@@ -176,6 +176,10 @@ def rule(config, **fixed):
   values = section(config, "rule")
   name = values.pop("name", "")
   cls = registry.rule_class(name)
+  fields = {f.name for f in dataclasses.fields(cls) if f.init} - set(fixed)
+  if values and not fields:
+    raise ConfigError(f"--config.rule.name={name} takes no hyperparameters: drop "
+                      f"{', '.join(f'--config.rule.{k}' for k in sorted(values))}")
   return typed(cls, values, "rule", **fixed)
 
 

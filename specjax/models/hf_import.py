@@ -170,9 +170,30 @@ def read_config(file: Path) -> dict:
 _CONFIG_MARKERS = (("n_embd", "gpt2"), ("d_kv", "t5"), ("intermediate_size", "llama-family"))
 
 
+# Sizes a config.json of any family may hold (None where a family reads it as "off"). Special ids
+# are not checked: transformers' GPT2Config keeps id 50256 for a vocabulary of any size.
+_SIZE_KEYS = ("vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner",
+              "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "max_position_embeddings", "sliding_window",
+              "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+              "relative_attention_num_buckets", "relative_attention_max_distance")
+
+
+def check_numbers(hf_config: dict, file: Path) -> None:
+  """ValueError naming the first size of config.json that is not a whole number >= 1: a damaged
+  file, which would otherwise build a model of nonsense shapes or fail inside arithmetic."""
+  for key in _SIZE_KEYS:
+    value = hf_config.get(key)
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
+                                  and value >= 1):
+      raise ValueError(f"{file}: {key}={value!r} is not a whole number >= 1; the file is "
+                       f"damaged: use the config.json that came with the weights")
+
+
 def _model_from_config(mod, hf_config: dict, dtype: str, file: Path):
   """mod.model_from_hf_config, with a missing key named (and, when the keys are another
-  family's, that family) instead of a bare KeyError."""
+  family's, that family) instead of a bare KeyError, and damaged numbers named (check_numbers)."""
+  check_numbers(hf_config, file)
   try:
     return mod.model_from_hf_config(hf_config, dtype)
   except KeyError as err:

@@ -95,6 +95,9 @@ def settings(rule: str, values: list[float], gamma: int, extra: dict,
     raise ValueError(f"--rule must be one of {sorted(SWEPT) + ['adaptive']}, got {rule!r}")
   if not values:
     raise ValueError(f"--rule {rule} needs --values (its {SWEPT[rule]} settings)")
+  if SWEPT[rule] in extra:
+    raise ValueError(f"--set {SWEPT[rule]}=... sets what --rule {rule} sweeps: give its settings "
+                     f"with --values")
   points += [Setting(rule, v, registry.get(rule, **{**extra, SWEPT[rule]: v}), gamma)
              for v in values]
   random_extra = {k: v for k, v in extra.items() if k != "mode"}
@@ -284,6 +287,15 @@ def build_points(config, args) -> list[tuple[Setting, methods.Method]]:
   return [(p, method_for(p, base, draft_alone)) for p in points]
 
 
+def check_quality_key(key: str | None, metric: str) -> str:
+  """--quality_key (None: the metric's primary key), refused unless the metric reports it."""
+  known = metrics.keys(metric)
+  if key is not None and key not in known:
+    raise ValueError(f"--quality_key {key}: the task's metric {metric} reports "
+                     f"{', '.join(known)}")
+  return key or PRIMARY[metric]
+
+
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
 
@@ -295,11 +307,11 @@ def main(argv=None) -> int:
     config = load_config(args.config, overrides)
     for suffix in OUTPUT_SUFFIXES:
       outputs.check_not_input(f"{output}{suffix}", input_paths(args.config, config), "--output")
-    points = build_points(config, args)
     source = resolve.eval_source(config)
-    examples = source.eval_examples("validation", args.num_examples)
     metric = source.task.metric or "rouge"
-    quality_key = args.quality_key or PRIMARY[metric]
+    quality_key = check_quality_key(args.quality_key, metric)
+    points = build_points(config, args)
+    examples = source.eval_examples("validation", args.num_examples)
     key = jax.random.PRNGKey(builders.decode_settings(config).seed)
     records = sweep(points, [p for p, _ in examples], [r for _, r in examples], metric,
                     quality_key, key, timing_prompts=args.timing_prompts, repeats=args.repeats,

@@ -323,6 +323,13 @@ def test_tradeoff_parsing_and_settings():
     tradeoff.settings("fuzzy", [], 4, {}, [])
   with pytest.raises(ValueError, match="--rule must be one of"):
     tradeoff.settings("exact", [1.0], 4, {}, [])
+  with pytest.raises(ValueError, match=r"--set threshold=\.\.\. sets what --rule fuzzy sweeps"):
+    tradeoff.settings("fuzzy", [0.1], 4, {"threshold": 0.5}, [])       # was overridden silently
+  assert tradeoff.check_quality_key(None, "rouge") == "rouge2"
+  assert tradeoff.check_quality_key("rougeL", "rouge") == "rougeL"
+  with pytest.raises(ValueError, match="--quality_key bogus: the task's metric rouge reports "
+                                       "rouge1, rouge2, rougeL"):
+    tradeoff.check_quality_key("bogus", "rouge")     # was a KeyError after loading and decoding
   assert tradeoff.draft_share({"accepted": 30, "emitted": 40}) == 0.75
 
 

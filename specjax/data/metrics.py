@@ -128,6 +128,11 @@ def gsm8k_accuracy(predictions: Sequence[str], references: Sequence[str]) -> flo
   return 100 * hits / max(len(predictions), 1)
 
 
+def keys(metric: str) -> tuple[str, ...]:
+  """The keys evaluate(metric, ...) returns (rouge: rouge1, rouge2, rougeL)."""
+  return tuple(evaluate(metric, [""], [""]))
+
+
 def _check(predictions: Sequence[str], references: Sequence[str]) -> None:
   if len(predictions) != len(references):
     raise ValueError(f"{len(predictions)} predictions for {len(references)} references")

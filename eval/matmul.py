@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     if unknown or not dtypes:
       raise ValueError(f"--dtypes: use float32, bfloat16, float16, int8 or int4 (got "
                        f"{args.dtypes!r})")
+    if "int4" in dtypes and args.k % quant.GROUP:
+      raise ValueError(f"--dtypes int4 groups the inputs by {quant.GROUP}: use a --k that is a "
+                       f"multiple of {quant.GROUP} (got {args.k}), or drop int4")
     records = measure(args.k, args.n, rows, dtypes, args.repeats, args.copies)
     print(table(records), flush=True)
     if output:

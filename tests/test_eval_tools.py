@@ -211,6 +211,8 @@ def test_matmul_tool_measures_every_case_and_refuses_bad_flags(tmp_path, capsys)
   assert "--rows must be comma-separated" in _error_line(capsys)
   assert matmul.main(["--dtypes", "int3"]) == 2
   assert "--dtypes: use float32" in _error_line(capsys)
+  assert matmul.main(["--k", "48", "--dtypes", "int4"]) == 2
+  assert "use a --k that is a multiple of 64 (got 48), or drop int4" in _error_line(capsys)
 
 
 def test_a_tradeoff_output_prefix_that_is_a_directory_is_refused(tmp_path):

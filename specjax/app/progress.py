@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".partial"
 VERSION = 1
+ROW_KEYS = ("prompt", "text", "tokens", "stats")
+DISPLAY_ONLY = ("stream",)       # decode settings that change only what is printed
 
 
 class ProgressError(ValueError):
@@ -34,6 +36,8 @@ class Progress:
   def __init__(self, output: str | os.PathLike, settings: dict):
     self.path = Path(str(output) + SUFFIX)
     self.settings = json.loads(json.dumps(outputs.strict(settings), default=str))
+    for key in DISPLAY_ONLY:
+      (self.settings.get("decode") or {}).pop(key, None)
 
   def rows(self) -> list[dict]:
     """The results saved by an earlier run with these settings ([] when there is none):
@@ -50,6 +54,10 @@ class Progress:
       raise ProgressError(f"{self.path} holds the progress of a run with other settings "
                           f"({_differences(settings, self.settings)}): rerun that command to "
                           f"finish it, or delete the file to start over")
+    why = _not_rows(rows, self.settings.get("prompts", []))
+    if why:
+      raise ProgressError(f"{self.path} is not a run's progress as specjax.decode writes it "
+                          f"({why}): delete it to start over")
     log.info("resuming: %d of %d prompts were decoded by an earlier run (%s)", len(rows),
              len(self.settings.get("prompts", [])), self.path)
     return rows
@@ -60,6 +68,20 @@ class Progress:
 
   def finish(self) -> None:
     self.path.unlink(missing_ok=True)
+
+
+def _not_rows(rows, prompts: list) -> str:
+  """Why `rows` are not the first results of `prompts` ("" when they are)."""
+  if not isinstance(rows, list) or len(rows) > len(prompts):
+    return f"{len(rows) if isinstance(rows, list) else 'no list of'} results for " \
+           f"{len(prompts)} prompts"
+  for i, (row, prompt) in enumerate(zip(rows, prompts)):
+    missing = [k for k in ROW_KEYS if not isinstance(row, dict) or k not in row]
+    if missing:
+      return f"result {i} lacks {', '.join(missing)}"
+    if row["prompt"] != prompt:
+      return f"result {i} is for another prompt than prompt {i}"
+  return ""
 
 
 def _flat(tree, prefix: str = "") -> dict:

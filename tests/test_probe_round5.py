@@ -1,0 +1,38 @@
+"""Probe round 5: a killed decode run's progress file (OUT.partial) resumes only as specjax wrote
+it, and a change of what is printed (decode.stream) does not refuse it."""
+
+from __future__ import annotations
+
+import pytest
+
+from specjax.app import progress
+
+SETTINGS = {"decode": {"gamma": 4, "stream": True}, "prompts": ["a", "b"]}
+
+
+def _row(prompt: str, **drop) -> dict:
+  row = {"prompt": prompt, "text": "x", "tokens": [1], "stats": {}}
+  return {k: v for k, v in row.items() if k not in drop}
+
+
+@pytest.mark.parametrize("rows, why", [
+    ([_row("a"), _row("b"), _row("a")], "3 results for 2 prompts"),       # was accepted
+    ([_row("a", tokens=0)], "result 0 lacks tokens"),                     # was "missing key"
+    ([_row("b")], "result 0 is for another prompt than prompt 0"),
+    ({"a": 1}, "no list of results for 2 prompts"),
+])
+def test_a_progress_file_specjax_did_not_write_is_refused(tmp_path, rows, why):
+  kept = progress.Progress(tmp_path / "out.json", SETTINGS)
+  kept.save(rows)
+  with pytest.raises(progress.ProgressError, match=f"out.json.partial is not a run's progress "
+                     f"as specjax.decode writes it \\({why}\\): delete it to start over"):
+    kept.rows()
+
+
+def test_the_same_run_resumes_whether_it_streams_or_not(tmp_path):
+  progress.Progress(tmp_path / "out.json", SETTINGS).save([_row("a")])
+  quiet = {**SETTINGS, "decode": {"gamma": 4, "stream": False}}
+  assert progress.Progress(tmp_path / "out.json", quiet).rows() == [_row("a")]
+  other = {**SETTINGS, "decode": {"gamma": 5, "stream": True}}
+  with pytest.raises(progress.ProgressError, match="differs in decode.gamma"):
+    progress.Progress(tmp_path / "out.json", other).rows()

@@ -1,4 +1,4 @@
-"""llama.cpp as a benchmark peer of `eval.versus --llama_cpp DIR`: its greedy generation of the
+r"""llama.cpp as a benchmark peer of `eval.versus --llama_cpp DIR`: its greedy generation of the
 same prompts from the same GGUF files, the target alone (`llama-completion`) and with the draft
 (`llama-speculative-simple`, at most gamma drafted tokens per block), timed by llama.cpp's own
 report (prompt + generation, without loading the model: each call is a fresh process).

@@ -1,4 +1,4 @@
-"""Several decoding methods side by side on the same prompts, in one run: specjax's target alone
+r"""Several decoding methods side by side on the same prompts, in one run: specjax's target alone
 and speculative decoding under each rule (with the config's draft, or another one), and, with
 --transformers, transformers' target alone and its assisted generation with the config's draft
 (universal assisted generation, `assistant_tokenizer=`, when the draft has another tokenizer),

@@ -1,4 +1,4 @@
-"""`python -m specjax.decode`: generate text with the target alone or with speculative decoding.
+r"""`python -m specjax.decode`: generate text with the target alone or with speculative decoding.
 
     python -m specjax.decode                                   # qwen_coder.py: the real pair
     python -m specjax.decode --compare                         # + the target alone, the speedup

@@ -36,3 +36,22 @@ def test_the_same_run_resumes_whether_it_streams_or_not(tmp_path):
   other = {**SETTINGS, "decode": {"gamma": 5, "stream": True}}
   with pytest.raises(progress.ProgressError, match="differs in decode.gamma"):
     progress.Progress(tmp_path / "out.json", other).rows()
+
+
+def test_help_texts_keep_their_line_continuations():
+  """A module docstring (what --help prints) that shows a command continued with a backslash is
+  a raw string: `python -m specjax.decode --help` printed the two lines run together."""
+  import ast
+  from pathlib import Path
+  root = Path(__file__).resolve().parent.parent
+  bad = []
+  for path in sorted([*root.glob("specjax/**/*.py"), *root.glob("eval/*.py"),
+                      *root.glob("train/*.py")]):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
+    if doc is None or not isinstance(getattr(doc, "value", None), ast.Constant):
+      continue
+    source = ast.get_source_segment(path.read_text(encoding="utf-8"), doc) or ""
+    if " \\\n" in source and "\\\n" not in doc.value.value:
+      bad.append(str(path.relative_to(root)))
+  assert not bad, f"make these module docstrings raw (r\"\"\"): {bad}"

@@ -1,4 +1,4 @@
-"""DistillSpec: distil the draft (student) towards the target (teacher).
+r"""DistillSpec: distil the draft (student) towards the target (teacher).
 
     python -m train.distill --config distill_tiny.py --workdir runs/distill_tiny \
         [--config.distill.recipe=gkd] [--config.train.steps=200]

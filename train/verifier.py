@@ -1,4 +1,4 @@
-"""Train SPRINTER's verifier for a (target, draft) pair (docs/papers/sprinter.md §2).
+r"""Train SPRINTER's verifier for a (target, draft) pair (docs/papers/sprinter.md §2).
 
     python -m train.verifier --config sprinter_tiny.py --workdir runs/sprinter_tiny \
         [--config.verifier.lam=1.5] [--config.verifier.features=B] [--config.verifier.mlp_width=64]

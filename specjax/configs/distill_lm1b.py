@@ -1,4 +1,4 @@
-"""DistillSpec LM1B pair (Appendix B): 234M GPT-like target, 33M draft, T5 32k vocabulary.
+r"""DistillSpec LM1B pair (Appendix B): 234M GPT-like target, 33M draft, T5 32k vocabulary.
 
     python -m train.pretrain --config distill_lm1b.py --workdir runs/lm1b_target
     python -m train.distill --config distill_lm1b.py --workdir runs/lm1b_distill \

@@ -1,4 +1,4 @@
-"""DistillSpec on the real pair: the Qwen2.5-Coder-0.5B-Instruct draft (student) distilled toward
+r"""DistillSpec on the real pair: the Qwen2.5-Coder-0.5B-Instruct draft (student) distilled toward
 the 1.5B-Instruct target (teacher), on Python code (the offline stdlib corpus) under their own
 tokenizer. Sized for a 2-core CPU: batch 2, 16 prompt + 16 target tokens, 2 steps, evaluated
 before the first and after the last: 6.5 minutes on an idle 2-core CPU, both models in float32,

@@ -1,4 +1,4 @@
-"""DistillSpec in miniature: tiny GPT-style target and draft on a seeded Markov language (CPU, minutes).
+r"""DistillSpec in miniature: tiny GPT-style target and draft on a seeded Markov language (CPU, minutes).
 
     python -m train.pretrain --config distill_tiny.py --workdir runs/tiny_target
     python -m train.distill --config distill_tiny.py --workdir runs/tiny_distill \

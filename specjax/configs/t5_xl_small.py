@@ -1,4 +1,4 @@
-"""DistillSpec's main pair: T5 v1.1 XL target, T5 v1.1 Small draft.
+r"""DistillSpec's main pair: T5 v1.1 XL target, T5 v1.1 Small draft.
 
     python -m specjax.decode --config t5_xl_small.py --prompt "summarize: ..."
     python -m specjax.decode --config t5_xl_small.py \

@@ -55,3 +55,15 @@ def test_help_texts_keep_their_line_continuations():
     if " \\\n" in source and "\\\n" not in doc.value.value:
       bad.append(str(path.relative_to(root)))
   assert not bad, f"make these module docstrings raw (r\"\"\"): {bad}"
+
+
+def test_a_training_run_refuses_a_verifier_workdir(tmp_path):
+  """train.pretrain / train.distill replaced a SPRINTER verifier's params/ without a word
+  (train.verifier already refused the reverse)."""
+  from specjax.app import training
+  from specjax.app.config import ConfigError, load_config
+  (tmp_path / "verifier.json").write_text("{}")
+  with pytest.raises(ConfigError, match=r"holds a SPRINTER verifier \(verifier.json\): a training "
+                                        r"run there would replace its params/"):
+    training.run(load_config("distill_tiny.py"), str(tmp_path), pretrain=True)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["verifier.json"]

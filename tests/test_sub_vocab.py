@@ -57,6 +57,20 @@ def test_greedy_sd_with_the_cut_draft_is_the_targets_greedy_decoding():
   testing.assert_greedy_sd_is_greedy(target.model, target.params, draft.model, draft.params)
 
 
+def test_a_bfloat16_cut_draft_decodes_batches_of_two_rows_on_cpu():
+  """Its [D, K] head product, 16-bit x 16-bit -> float32 inside the loop, crashed XLA:CPU's dot
+  runtime ("Unsupported element type for DotThunk::Execute") for two rows or more."""
+  def bf16(seed):
+    draft = _draft(seed=seed)
+    model = dataclasses.replace(draft.model, config=dataclasses.replace(draft.model.config,
+                                                                         dtype="bfloat16"))
+    return dataclasses.replace(draft, model=model, params=jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16), draft.params))
+  target = bf16(2)
+  draft = specjax.sub_vocab(bf16(3), 6, counts=np.random.RandomState(0).randint(0, 9, 16))
+  testing.assert_greedy_sd_is_greedy(target.model, target.params, draft.model, draft.params)
+
+
 # The law test: a ToyAR target over 4 ids, a tiny GPT-2 draft whose head keeps ids {0, 1} only.
 V, MAX_NEW, PROMPT = 4, 3, [1, 2, 1]
 TARGET = testing.ToyAR(V, 6)

@@ -17,7 +17,7 @@ import jax
 
 from specjax.app import builders, resolve
 from specjax.app.fit import check_workdir
-from specjax.app.training import RUN_FILE
+from specjax.app.training import RUN_FILE, VERIFIER_FILE
 from specjax.app.config import ConfigError
 from specjax.data.source import SourceConfig, make_source
 from specjax.distill import data as distill_data
@@ -25,7 +25,6 @@ from specjax.sprinter import train as train_lib
 from specjax.sprinter.data import DataConfig
 
 log = logging.getLogger(__name__)
-VERIFIER_FILE = "verifier.json"     # what sprinter.verifier.save writes beside the params
 
 
 @dataclasses.dataclass(frozen=True)

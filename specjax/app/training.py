@@ -33,6 +33,7 @@ from specjax.models.draft_head import DraftHead
 log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
+VERIFIER_FILE = "verifier.json"     # what sprinter.verifier.save writes beside the params
 SHOWN_DIFFERENCES = 5
 
 
@@ -44,6 +45,9 @@ def run(config, workdir: str, pretrain: bool = False, inputs: dict | None = None
   builders.train_config(config, pretrain)        # every train.* value checked before the workdir
   workdir = check_workdir(workdir)
   outputs.check_not_input(workdir, inputs or {}, "--workdir")
+  if (workdir / VERIFIER_FILE).exists():
+    raise ConfigError(f"--workdir {workdir} holds a SPRINTER verifier ({VERIFIER_FILE}): a "
+                      f"training run there would replace its params/; choose another workdir")
   dist = builders.section(config, "distributed")
   if dist.get("enabled"):
     pid = dist.get("process_id", -1)

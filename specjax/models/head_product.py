@@ -26,10 +26,15 @@ def logits(hidden: jax.Array, kernel: jax.Array, vocab_axis: int, precision=None
   vocab_axis=1, a Dense kernel) -> float32 logits [..., V]. Blocked over V (BLOCK_ROWS rows) on
   CPU for 16-bit kernels (module doc), one product otherwise."""
   spec = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
-  product = lambda w: jnp.einsum(spec, hidden, w, precision=precision,
+  on_cpu_16bit = jax.default_backend() == "cpu" and jnp.dtype(kernel.dtype).itemsize == 2
+  # On CPU the conversion is written out: it is what XLA:CPU does anyway, and a product left
+  # 16-bit x 16-bit -> float32 inside a decoding loop of two or more rows reaches a dot runtime
+  # that refuses it ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+  cast = (lambda x: x.astype(jnp.float32)) if on_cpu_16bit else (lambda x: x)
+  product = lambda w: jnp.einsum(spec, cast(hidden), cast(w), precision=precision,
                                  preferred_element_type=jnp.float32)
   vocab, rows = kernel.shape[vocab_axis], BLOCK_ROWS
-  if jax.default_backend() != "cpu" or jnp.dtype(kernel.dtype).itemsize != 2 or vocab <= rows:
+  if not on_cpu_16bit or vocab <= rows:
     return product(kernel)
   blocks = vocab // rows
 

@@ -85,3 +85,17 @@ def test_a_partial_write_is_never_taken(tmp_path):
   assert not param_cache.complete(out)
   param_cache.save(params, out)
   assert param_cache.complete(out) and not (tmp_path / "p.partial").exists()
+
+
+def test_bfloat16_params_come_back_as_bfloat16(tmp_path):
+  """.npy stores bfloat16 as raw 2-byte records: the cache was refused ("|V2, the model expects
+  bfloat16") and written again by every run of a bfloat16 model."""
+  params = {"a": jax.numpy.arange(6, dtype=jax.numpy.bfloat16).reshape(2, 3),
+            "b": jax.numpy.ones((4,), jax.numpy.float32)}
+  out = param_cache.save(params, tmp_path / "p")
+  back = param_cache.load(out, jax.eval_shape(lambda: params))
+  assert back["a"].dtype == jax.numpy.bfloat16
+  np.testing.assert_array_equal(np.asarray(back["a"], np.float32), np.arange(6.).reshape(2, 3))
+  with pytest.raises(ValueError, match=r"\['a'\] is float16\(2, 3\), the model expects "):
+    param_cache.load(param_cache.save({**params, "a": params["a"].astype("float16")},
+                                      tmp_path / "q"), jax.eval_shape(lambda: params))

@@ -60,6 +60,8 @@ def load(path: Path, like) -> object:
   out = []
   for key, want in leaves:
     array = np.load(path / names[jax.tree_util.keystr(key)], mmap_mode="r", allow_pickle=False)
+    if array.dtype.kind == "V" and array.dtype.itemsize == np.dtype(want.dtype).itemsize:
+      array = array.view(want.dtype)       # .npy keeps bfloat16 (an ml_dtypes type) as raw bytes
     if array.shape != tuple(want.shape) or array.dtype != np.dtype(want.dtype):
       raise ValueError(f"{path}: {jax.tree_util.keystr(key)} is {array.dtype}{array.shape}, the "
                        f"model expects {np.dtype(want.dtype)}{tuple(want.shape)}")

@@ -67,3 +67,15 @@ def test_a_training_run_refuses_a_verifier_workdir(tmp_path):
                                         r"run there would replace its params/"):
     training.run(load_config("distill_tiny.py"), str(tmp_path), pretrain=True)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["verifier.json"]
+
+
+def test_the_stats_line_says_when_blocks_ran_past_a_stop_string():
+  """"6 tokens ... tau 3.00, blocks 6" read as a contradiction: the counters count the decoded
+  tokens, the first number the ones returned."""
+  from specjax.app import runner
+  times = {"tokens": 6, "decode_s": 0.5, "ms_per_token": 83.3, "compile_s": 1.0}
+  stats = {"emitted": 18, "blocks": 6, "block_efficiency": 3.0}
+  line = runner.summary_line(stats, times, 2.0)
+  assert line.startswith("stats: 6 tokens (18 decoded: blocks ran past a stop string), decode")
+  assert runner.summary_line({**stats, "emitted": 6}, times, 2.0).startswith(
+      "stats: 6 tokens, decode")

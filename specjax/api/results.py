@@ -17,8 +17,10 @@ class Result:
   """One `generate` call's output, in the order of its prompts.
 
   texts: the generated text per prompt (without the prompt), cut at its end-of-sequence token
-  and before the first stop string. tokens: the generated ids per prompt (without the prompt).
-  stats: counters summed over the prompts (emitted, accepted, verified, blocks, target_passes,
+  and before the first stop string. tokens: the generated ids per prompt (without the prompt;
+  through the token that completed a stop string). stats: counters of the decoding work summed
+  over the prompts (emitted: tokens decoded, those of a row's last block past a stop string
+  included, as stop strings are checked between blocks; accepted, verified, blocks, target_passes,
   draft_passes, ... as the method reports them) with acceptance_rate (alpha, accepted over
   verified) and block_efficiency (tau, emitted tokens per block) where they apply.
   row_stats: the counters of each prompt."""

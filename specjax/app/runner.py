@@ -205,8 +205,10 @@ def summary_line(stats: dict, times: dict, before_s: float) -> str:
   """`stats: N tokens, decode S s (M ms/token), alpha, tau, ...; start-up B s (load L s, compile
   C s)`: decoding apart from everything before it (times: decode_timed's timing + load_s;
   before_s: the seconds from the start to the first decoded block, compilation included)."""
-  ms = times.get("ms_per_token")
-  parts = [f"{times.get('tokens', 0)} tokens, decode {times['decode_s']:.2f}s"
+  ms, tokens = times.get("ms_per_token"), times.get("tokens", 0)
+  past = (f" ({stats['emitted']} decoded: blocks ran past a stop string)"
+          if stats.get("emitted", tokens) > tokens else "")
+  parts = [f"{tokens} tokens{past}, decode {times['decode_s']:.2f}s"
            + (f" ({ms:.1f} ms/token)" if ms else "")]
   if "acceptance_rate" in stats:
     parts.append(f"alpha {stats['acceptance_rate']:.3f}")

@@ -34,7 +34,7 @@ def parse_args(argv):
 def decoders(config) -> dict:
   """Mode name -> Method, for every model the config names."""
   has = lambda role: bool(builders.section(config, role).get("checkpoint"))
-  rule = builders.section(config, "rule").get("name", "")
+  rule = builders.rule_section(config).get("name", "")
   out = {"target": methods.autoregressive(config)}
   for role in ("draft_raw", "draft"):
     if has(role):

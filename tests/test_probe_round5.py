@@ -79,3 +79,14 @@ def test_the_stats_line_says_when_blocks_ran_past_a_stop_string():
   assert line.startswith("stats: 6 tokens (18 decoded: blocks ran past a stop string), decode")
   assert runner.summary_line({**stats, "emitted": 6}, times, 2.0).startswith(
       "stats: 6 tokens, decode")
+
+
+def test_a_config_with_a_draft_and_no_rule_section_decodes_with_exact_sd():
+  """It decoded with the target alone without a word (specjax.generate: rule=None is exact)."""
+  from specjax.app import builders, methods
+  from specjax.app.config import load_config
+  config = load_config("tiny.py")
+  del config["rule"]
+  assert methods.method_name(config) == "speculative"
+  assert builders.rule(config).rule_name == "exact"
+  assert methods.method_name(load_config("tiny.py", ["--config.rule.name="])) == "autoregressive"

@@ -123,6 +123,13 @@ def section(config, name: str) -> dict:
   return dict(node.items()) if node is not None else {}
 
 
+def rule_section(config) -> dict:
+  """The `rule` section as a plain dict; a config without one gets exact SD ({"name": "exact"}),
+  as specjax.generate does with rule=None ("" in `rule.name` turns SD off)."""
+  has = hasattr(config, "get") and config.get("rule") is not None
+  return section(config, "rule") if has else {"name": "exact"}
+
+
 # ----------------------------------------------------------------------------------- decoding
 
 def decode_settings(config) -> DecodeSettings:
@@ -132,7 +139,7 @@ def decode_settings(config) -> DecodeSettings:
     gamma, confidence = auto_blocks(str(section(config, "target").get("quant", "")))
     values["gamma"] = gamma
     # a method named as the rule (slem, slrs, sprinter) drafts in a loop of its own
-    own_loop = section(config, "rule").get("name", "") in api_methods.names()
+    own_loop = rule_section(config).get("name", "") in api_methods.names()
     if not values.get("draft_confidence") and not own_loop:
       values["draft_confidence"] = confidence
   return typed(DecodeSettings, values, "decode")
@@ -173,7 +180,7 @@ def auto_blocks(target_quant: str) -> tuple[int, float]:
 def rule(config, **fixed):
   """The registered acceptance rule named by `rule.name`, its hyperparameters typed by its fields
   (`fixed`: values built by the caller, such as a cross-vocabulary rule's VocabMap)."""
-  values = section(config, "rule")
+  values = rule_section(config)
   name = values.pop("name", "")
   cls = registry.rule_class(name)
   fields = {f.name for f in dataclasses.fields(cls) if f.init} - set(fixed)

@@ -2,8 +2,8 @@
 `distributed` sections read and checked, with errors naming the flags that set them.
 
 `rule.name` picks the method: a method name (sprinter, slem, slrs) runs that method; any other
-name is an acceptance rule of speculative decoding; without a draft checkpoint the target
-decodes alone.
+name is an acceptance rule of speculative decoding (no `rule` section: exact); without a draft
+checkpoint, or with `rule.name=''`, the target decodes alone.
 
 Devices: the `mesh` section (data x model; 1 x 1, the default, is one device) places every
 model's params by the sharding rules table when the method is built, and the jitted loops run
@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 
 
 def method_name(config, draft_role: str = "draft") -> str:
-  """The method a config asks for (see the module docstring)."""
-  rule = builders.section(config, "rule").get("name", "")
+  """The method a config asks for (see the module docstring): a config with a draft and no
+  `rule` section decodes with exact SD, as specjax.generate does with rule=None."""
+  rule = builders.rule_section(config).get("name", "")
   draft = builders.section(config, draft_role)
   if not ((draft.get("checkpoint") or draft.get("method") in ("ngram", "early_exit", "head"))
           and rule):
@@ -198,7 +199,7 @@ def drafter(config, role: str = "draft") -> NGram | None:
 def speculative(config, draft_role: str = "draft") -> Speculative:
   """Speculative decoding with the registered acceptance rule of `rule.name`."""
   mesh = mesh_from_config(config)
-  name = builders.section(config, "rule").get("name", "")
+  name = builders.rule_section(config).get("name", "")
   try:
     cls = registry.rule_class(name)
   except registry.UnknownRuleError as err:
@@ -206,7 +207,7 @@ def speculative(config, draft_role: str = "draft") -> Speculative:
                       f"rules are {', '.join(err.known)}; decoding methods are "
                       f"{', '.join(n for n in names() if n != 'speculative')}") from None
   try:                              # before any model is loaded
-    api_rules.check_one_value_each(cls, builders.section(config, "rule"), "--config.rule.")
+    api_rules.check_one_value_each(cls, builders.rule_section(config), "--config.rule.")
   except UsageError as err:
     raise ConfigError(str(err)) from None
   lookup = drafter(config, draft_role)
@@ -271,7 +272,7 @@ def _head_method(config, role: str, mesh, rule_cls) -> Speculative:
 def variant(base: Speculative, config) -> Speculative | StringLevel:
   """The method `config`'s rule section names (an acceptance rule with what it needs from the two
   models, or slem / slrs) on the models `base` already holds, so that a sweep loads them once."""
-  rule = dict(builders.section(config, "rule"))
+  rule = dict(builders.rule_section(config))
   name = rule.pop("name", "")
   if name in ("slem", "slrs"):
     hp = builders.typed(StringLevelSettings, rule, "rule")
@@ -286,7 +287,7 @@ def variant(base: Speculative, config) -> Speculative | StringLevel:
 
 def sprinter(config, draft_role: str = "draft") -> Sprinter:
   """SPRINTER with the verifier of `rule.verifier` (a train.verifier workdir)."""
-  rule = {k: v for k, v in builders.section(config, "rule").items() if k != "name"}
+  rule = {k: v for k, v in builders.rule_section(config).items() if k != "name"}
   hp = builders.typed(SprinterSettings, rule, "rule")
   if not hp.verifier:
     raise ConfigError("method sprinter needs --config.rule.verifier=WORKDIR (a train.verifier "
@@ -311,7 +312,7 @@ def sprinter(config, draft_role: str = "draft") -> Sprinter:
 
 def string_level(config, draft_role: str = "draft") -> StringLevel:
   """SLEM / SLRS (one device)."""
-  rule = dict(builders.section(config, "rule"))
+  rule = dict(builders.rule_section(config))
   method = rule.pop("name")
   hp = builders.typed(StringLevelSettings, rule, "rule")
   if mesh_from_config(config) is not None:

@@ -90,3 +90,17 @@ def test_a_config_with_a_draft_and_no_rule_section_decodes_with_exact_sd():
   assert methods.method_name(config) == "speculative"
   assert builders.rule(config).rule_name == "exact"
   assert methods.method_name(load_config("tiny.py", ["--config.rule.name="])) == "autoregressive"
+
+
+def test_a_recipe_refuses_the_users_own_loss_and_mixture():
+  """--config.distill.recipe=supkd --config.distill.loss=tvd trained fkl without a word."""
+  from specjax.app import training
+  from specjax.app.config import ConfigError, load_config
+  flags = ["--config.distill.recipe=supkd", "--config.distill.loss=tvd",
+           "--config.distill.lambda2=0.7"]
+  with pytest.raises(ConfigError, match=r"--config.distill.loss, --config.distill.lambda2 has no "
+                     r"effect with --config.distill.recipe=supkd \(it trains with loss fkl, "
+                     r"lambda1 1, lambda2 0\): drop it, or choose"):
+    training.check_overrides_apply(load_config("distill_tiny.py", flags), flags, pretrain=False)
+  flags = ["--config.distill.loss=tvd", "--config.distill.lambda2=0.7"]
+  training.check_overrides_apply(load_config("distill_tiny.py", flags), flags, pretrain=False)

@@ -26,6 +26,7 @@ from specjax.app import config as config_lib
 from specjax.app.config import ConfigError
 from specjax.app.fit import ProgressDisplay, check_workdir, fit, open_source, train_flag
 from specjax.data.cache import settings_key
+from specjax.distill import data as distill_data
 from specjax.distill import trainer as trainer_lib
 from specjax.distill.metrics_log import count_text
 from specjax.models.draft_head import DraftHead
@@ -121,6 +122,8 @@ def check_overrides_apply(config, overrides, pretrain: bool) -> None:
   section, never pretrain.*. A field set in both sections (one list of flags for both jobs) is
   not refused, nor are the config's own values."""
   keys = {o.removeprefix("--").removeprefix("config.").partition("=")[0] for o in overrides}
+  if not pretrain:
+    _check_recipe_overrides(config, keys)
   own = [k for k in builders.section(config, "pretrain") if k != "model"]
   if pretrain:
     ignored, use = [f"train.{k}" for k in own], "pretrain"
@@ -135,6 +138,23 @@ def check_overrides_apply(config, overrides, pretrain: bool) -> None:
   job, why = ("train.pretrain", "this config's pretrain section sets it, and pretraining reads "
               "that") if pretrain else ("train.distill", "the pretrain section is train.pretrain's")
   raise ConfigError(f"{flags} has no effect on {job} ({why}): set {fix}")
+
+
+RECIPE_SETS = ("loss", "lambda1", "lambda2")     # what a distill.recipe chooses
+
+
+def _check_recipe_overrides(config, keys: set) -> None:
+  """A recipe sets the loss and the data mixture: the user's own distill.loss / lambda1 /
+  lambda2 beside one would be dropped without a word, so they are refused."""
+  name = builders.section(config, "distill").get("recipe")
+  ignored = [f"--config.distill.{k}" for k in RECIPE_SETS if f"distill.{k}" in keys]
+  if not (name and ignored):
+    return
+  r = distill_data.recipe(name)
+  raise ConfigError(f"{', '.join(ignored)} has no effect with --config.distill.recipe={name} (it "
+                    f"trains with loss {r.loss}, lambda1 {r.lambda1:g}, lambda2 {r.lambda2:g}): "
+                    f"drop it, or choose loss and mixture yourself with "
+                    f"--config.distill.recipe=''")
 
 
 def pretrain_role(config) -> str:

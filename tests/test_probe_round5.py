@@ -104,3 +104,17 @@ def test_a_recipe_refuses_the_users_own_loss_and_mixture():
     training.check_overrides_apply(load_config("distill_tiny.py", flags), flags, pretrain=False)
   flags = ["--config.distill.loss=tvd", "--config.distill.lambda2=0.7"]
   training.check_overrides_apply(load_config("distill_tiny.py", flags), flags, pretrain=False)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.train.final_lr_ratio=-1", r"final_lr_ratio must be in \[0, 1\]"),   # lr < 0
+    ("--config.train.final_lr_ratio=nan", r"final_lr_ratio must be in \[0, 1\]"),
+    ("--config.train.decay_start=-5", "decay_start must be >= 0"),
+])
+def test_schedules_that_would_train_backwards_are_refused(override, message):
+  """A negative final ratio trained by gradient ascent once the decay began; nan was reported as
+  a divergence with advice about the learning rate."""
+  from specjax.app import builders
+  from specjax.app.config import ConfigError, load_config
+  with pytest.raises(ConfigError, match=message):
+    builders.train_config(load_config("distill_tiny.py", [override]))

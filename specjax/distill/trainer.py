@@ -99,17 +99,21 @@ class TrainConfig:
     for name in ("batch_size", "log_every", "eval_prompts"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    for name in ("warmup_steps", "eval_every", "learning_rate"):
+    for name in ("warmup_steps", "decay_start", "eval_every", "learning_rate"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if not math.isfinite(self.learning_rate):
       raise ValueError(f"learning_rate must be a finite number, got {self.learning_rate}")
+    if not 0.0 <= self.final_lr_ratio <= 1.0:             # nan fails too
+      raise ValueError(f"final_lr_ratio must be in [0, 1] (the last learning rate over the "
+                       f"peak), got {self.final_lr_ratio}")
     if self.student not in STUDENTS:
       raise ValueError(f"student must be one of {', '.join(STUDENTS)}, got {self.student!r}")
     if self.student == "head" and self.lambda1 < 1.0 and self.lambda2 > 0.0:
       raise ValueError(f"student 'head' drafts from the teacher's features and cannot sample "
                        f"outputs of its own (lambda1 {self.lambda1}, lambda2 {self.lambda2}): "
-                       f"set lambda2=0 (teacher outputs) or lambda1=1 (the dataset)")
+                       f"set lambda2=0 (teacher outputs) or lambda1=1 (the dataset), or a "
+                       f"recipe that does (seqkd, supkd)")
     for name in ("checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -258,3 +258,29 @@ def test_the_config_flag_cuts_the_head(monkeypatch):
       head, k, counts=np.ones(32), flag=flag, target=target))       # no corpus to count
   method = methods.build(load_config("tiny.py", [*args, "--config.draft.vocab_top_k=5"]))
   assert method.draft.drafter.head.arch.head_subset.size == 5
+
+
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+def test_a_head_trained_float_drafts_for_an_int8_target(tmp_path, layout):
+  """A head's workdir holds float params; beside an int8 target (qwen_coder.py's quant "auto")
+  it was refused as "params of another model". Loaded, it is quantized as the target's layers
+  are, and greedy SD with it is the int8 target's greedy decoding."""
+  import dataclasses
+  from specjax import checkpoint
+  from specjax.models import dense_layout, quant
+  target, tparams = _llama()
+  head = DraftHead.for_target(target)
+  checkpoint.save_params(tmp_path, head.init_params(jax.random.PRNGKey(1)))
+  if layout == "out_in":
+    tparams = jax.tree_util.tree_map_with_path(
+        lambda p, x: x.T if dense_layout.transposes(tuple(k.key for k in p), layout) else x,
+        tparams)
+  int8 = dataclasses.replace(target, config=dataclasses.replace(target.config, quant="int8",
+                                                                layout=layout))
+  qparams = quant.quantize_params(jax.tree.map(lambda x: x, tparams), tied=False, layout=layout)
+  loaded = specjax.draft_head(LoadedModel(model=int8, params=qparams, tokenizer=STOP, path=None),
+                              str(tmp_path))
+  assert loaded.drafter.head.quant == "int8"
+  testing.assert_greedy_sd_is_greedy(int8, qparams, loaded.drafter,
+                                     loaded.loop_params(LoadedModel(model=int8, params=qparams,
+                                                                    tokenizer=STOP, path=None)))

@@ -134,10 +134,15 @@ class LoadedHead:
 
 
 def _head_params(path, head: DraftHead):
-  """The params saved in `path`, in `head`'s dense layout whichever layout they were trained in:
+  """The params saved in `path`, in `head`'s dense layout whichever layout they were trained in
+  (and quantized like its target's layers, for an int8 or int4 target):
   the target's layout is chosen per machine at load (layout="auto"), so a head trained beside an
   [in, out] target must load beside an [out, in] one. Tried in the target's layout, then in the
   other (its fc kernel, [2D, D] or [D, 2D], cannot fit both); the error is the first's."""
+  if head.quant:             # saved float (training is): quantized as the target's layers were
+    float_head = dataclasses.replace(head, arch=dataclasses.replace(head.arch, quant=""))
+    return quant_lib.quantize_params(_head_params(path, float_head), tied=False,
+                                     layout=head.layout, quant=head.quant)
   shapes = lambda h: jax.eval_shape(h.init_params, jax.random.PRNGKey(0))
   try:
     return checkpoint.load_params(path, shapes(head))

@@ -118,3 +118,17 @@ def test_schedules_that_would_train_backwards_are_refused(override, message):
   from specjax.app.config import ConfigError, load_config
   with pytest.raises(ConfigError, match=message):
     builders.train_config(load_config("distill_tiny.py", [override]))
+
+
+def test_markov_ids_beyond_the_models_vocabulary_are_refused():
+  """--config.data.vocab_size=1000 with 128-id models ended as "training diverged ... lower the
+  learning rate"."""
+  import types
+  from specjax.app import builders, fit
+  from specjax.app.config import ConfigError, load_config
+  models = [types.SimpleNamespace(vocab_size=128), types.SimpleNamespace(vocab_size=256)]
+  spec = builders.data_spec(load_config("distill_tiny.py", ["--config.data.vocab_size=1000"]))
+  with pytest.raises(ConfigError, match=r"--config.data.vocab_size=1000: the Markov data's ids "
+                                        r"must fit the models' vocabulary of 128"):
+    fit.check_data_vocab(spec, models)
+  fit.check_data_vocab(builders.data_spec(load_config("distill_tiny.py")), models)

@@ -67,8 +67,9 @@ def diverged_advice(err: trainer_lib.TrainingDivergedError, cfg, config=None,
 
 def _fit(config, cfg, workdir: Path, student, teacher, display, source):
   spec = builders.data_spec(config)
-  source = open_source(spec, cfg.batch_size) if source is None else source
   (model, params), (t_model, t_params) = student, teacher or (None, None)
+  check_data_vocab(spec, [m for m in (model, t_model) if m is not None])
+  source = open_source(spec, cfg.batch_size) if source is None else source
   trainer = trainer_lib.Trainer(cfg, model, t_model, source, workdir, eos_id=spec.eos_id,
                                 pad_id=spec.pad_id, model_desc=repr(model),
                                 show=display.show if display else None,
@@ -81,6 +82,16 @@ def _fit(config, cfg, workdir: Path, student, teacher, display, source):
   if trainer.steps_run or (int(state.step) == cfg.steps and not (workdir / "params").exists()):
     ckpt_lib.save_params(workdir, state.params)
   return state
+
+
+def check_data_vocab(spec: builders.DataSpec, models) -> None:
+  """A Markov source draws ids below data.vocab_size: more ids than a model's embedding has
+  rows gave non-finite losses, reported as a divergence (the task source checks its tokenizer)."""
+  sizes = [getattr(m, "vocab_size", None) for m in models]
+  least = min((v for v in sizes if v), default=None)
+  if spec.source == "markov" and least is not None and spec.vocab_size > least:
+    raise ConfigError(f"--config.data.vocab_size={spec.vocab_size}: the Markov data's ids must "
+                      f"fit the models' vocabulary of {least}: set it to at most {least}")
 
 
 def open_source(spec: builders.DataSpec, batch_size: int):

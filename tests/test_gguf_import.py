@@ -285,6 +285,18 @@ def test_tokenizer_matches_the_source(written, source_tok):
   assert tok.apply_chat_template("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.parametrize("key", ["eos", "bos"])
+def test_a_special_id_outside_the_token_list_is_refused(written, key):
+  """It was an IndexError from inside the tokenizer's construction."""
+  import types
+  ckpt = gguf_import.GGUFCheckpoint(written[2])
+  damaged = types.SimpleNamespace(path=ckpt.path, metadata={
+      **ckpt.metadata, f"tokenizer.ggml.{key}_token_id": 9999})
+  with pytest.raises(gguf_import.GGUFError, match=f"tokenizer's {key} id 9999 is outside its "
+                                                  r"\d+ tokens .*the file is damaged"):
+    gguf_tokenizer.build(damaged)
+
+
 # ------------------------------------------------------------------- conversion and resolve
 
 def test_resolve_converts_once_and_loads(written, imported, tmp_path, monkeypatch):

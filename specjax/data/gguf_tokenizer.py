@@ -55,6 +55,14 @@ def build(ckpt: GGUFCheckpoint):
   tok.add_tokens([AddedToken(t, special=False, normalized=False)
                   for t in added(gguf_import.USER_DEFINED)])
   ids = gguf_import.special_ids(meta)
+  unknown = meta.get("tokenizer.ggml.unknown_token_id")
+  for key, value in (*ids.items(), ("unknown_token_id", unknown)):
+    outside = [i for i in (value if isinstance(value, list) else [value])
+               if i is not None and not 0 <= int(i) < len(tokens)]
+    if outside:
+      raise GGUFError(f"{ckpt.path}: its tokenizer's {key.replace('_token_id', '')} id "
+                      f"{outside[0]} is outside its {len(tokens)} tokens "
+                      f"(tokenizer.ggml.tokens): the file is damaged; re-download or re-export it")
   name = lambda i: tokens[i] if i is not None else None
   eos = ids["eos_token_id"]
   with TRANSFORMERS:

@@ -40,7 +40,12 @@ def read_prompts(args, cfg) -> list[str]:
     raise PromptError("--prompt is empty: give the text to continue")
   if args.input_file:
     prompts += read_prompt_file(args.input_file)
-  prompts = prompts or list(cfg.get("prompts", []))
+  if not prompts:
+    prompts = list(cfg.get("prompts", []))
+    bad = next((i for i, p in enumerate(prompts) if not isinstance(p, str) or not p.strip()), None)
+    if bad is not None:
+      raise PromptError(f"the config's prompts must be non-empty texts; prompt {bad} is "
+                        f"{prompts[bad]!r}: fix the config's `prompts`, or pass --prompt TEXT")
   if not prompts:
     raise PromptError("no prompt: pass --prompt TEXT or --input_file FILE")
   return prompts

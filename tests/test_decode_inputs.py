@@ -64,6 +64,15 @@ def test_an_empty_prompt_is_refused(capsys, prompt):
   assert code == 2 and "--prompt is empty" in err, err
 
 
+@pytest.mark.parametrize("prompts", [[1, 2], ["a", ""]])
+def test_a_configs_prompts_that_are_not_texts_are_refused(prompts):
+  """A config's `prompts = [1, 2]` ended in a TypeError traceback."""
+  args = type("Args", (), {"prompt": [], "input_file": None})
+  with pytest.raises(decode.PromptError, match=r"the config's prompts must be non-empty texts; "
+                     r"prompt \d is"):
+    decode.read_prompts(args, {"prompts": prompts})
+
+
 def test_prompt_file_lines(tmp_path):
   path = tmp_path / "p.txt"
   path.write_text("first\r\n\n  second  \n", encoding="utf-8")

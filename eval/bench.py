@@ -206,13 +206,33 @@ def _count(params) -> int:
 
 def case_key(name: str, batch: int, scale: int, run: Run) -> str:
   """What makes two records comparable: shape, batch, scale, precision, layout, device and the
-  XLA flags the process started with (e.g. command buffers)."""
+  XLA flags the process started with (e.g. command buffers), then what is measured (run_key)."""
   layout = "scan" if layouts.scan_layers(run.layers) else "unrolled"
   flags_text = " ".join(os.environ.get("XLA_FLAGS", "").split())
   precision = run.precision or hf_import.default_precision("bfloat16")     # shapes.build's dtype
   return (f"{name}/b{batch}/scale{scale}/{precision}/{layout}/"
           + (f"{run.quant}/" if run.quant else "")
-          + f"{jax.devices()[0].device_kind}" + (f"/{flags_text}" if flags_text else ""))
+          + f"{jax.devices()[0].device_kind}" + (f"/{flags_text}" if flags_text else "")
+          + f"/{run_key(run)}")
+
+
+def run_key(run: Run) -> str:
+  """The settings that change a case's numbers: prompt and output lengths, gammas, alpha."""
+  return (f"p{run.prompt_len}/n{run.new_tokens}/g{','.join(map(str, run.gammas))}/"
+          f"a{run.alpha:g}")
+
+
+def check_same_run(records: list[dict], run: Run, out) -> None:
+  """One output file holds one set of measuring settings: a record measured with others (or
+  before they were part of its key) is refused, naming both, so a resumed table never mixes
+  them."""
+  want = run_key(run)
+  for r in records:
+    if not str(r.get("case", "")).endswith(f"/{want}"):
+      theirs = (f"prompt_len {r.get('prompt_len')}, new_tokens {r.get('new_tokens')}, gammas "
+                f"{','.join(str(s.get('gamma')) for s in r.get('sd', []))}, alpha {r.get('alpha')}")
+      raise ValueError(f"--output_json {out} holds {r.get('shape')} b{r.get('batch')} measured "
+                       f"with {theirs}; this run measures {want}: use another --output_json")
 
 
 def order(names: list[str], batches: list[int]) -> list[tuple[str, int]]:
@@ -355,6 +375,7 @@ def main(argv=None) -> int:
                  f"{peak[0] / 1e12:g} TB/s, {peak[1] / 1e12:g} TFLOP/s")
     say(f"{env['device']} ({env['platform']}), jax {env['jax']}, commit {env['commit']}; "
         f"peaks {peak_text}")
+    check_same_run(records, run, out)
     done = {r["case"] for r in records}
     with tempfile.TemporaryDirectory(prefix="specjax-bench-models-") as tmp:
       for name, batch in order(names, batches):

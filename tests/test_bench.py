@@ -83,6 +83,22 @@ def test_a_file_of_other_results_is_refused(tmp_path, capsys):
   assert other.read_text() == '[{"gamma": 3}]'
 
 
+def test_a_file_measured_with_other_settings_is_refused_not_skipped(tmp_path, capsys):
+  """A rerun with another --alpha or --gammas skipped the shape as measured, and a resumed run
+  could mix settings in one table that has no column for them."""
+  run = bench.Run(prompt_len=16, new_tokens=8, gammas=(2,), alpha=0.8)
+  key = bench.case_key("qwen-coder-1.5b-90m", 1, 16, run)
+  same = dict(case=key, shape="qwen-coder-1.5b-90m", batch=1, prompt_len=16, new_tokens=8,
+              alpha=0.8, sd=[dict(gamma=2)])
+  bench.check_same_run([same], run, "b.json")
+  other = bench.Run(prompt_len=16, new_tokens=8, gammas=(3,), alpha=0.3)
+  assert bench.case_key("qwen-coder-1.5b-90m", 1, 16, other) != key
+  with pytest.raises(ValueError, match=r"b.json holds qwen-coder-1.5b-90m b1 measured with "
+                     r"prompt_len 16, new_tokens 8, gammas 2, alpha 0.8; this run measures "
+                     r"p16/n8/g3/a0.3: use another --output_json"):
+    bench.check_same_run([same], other, "b.json")
+
+
 # qwen2.5-7b's pair is built by test_step_cost_counts_what_a_decoding_step_reads below.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "qwen2.5-7b"
                                   else n for n in shapes.SHAPES])

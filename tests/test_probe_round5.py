@@ -110,6 +110,7 @@ def test_a_recipe_refuses_the_users_own_loss_and_mixture():
     ("--config.train.final_lr_ratio=-1", r"final_lr_ratio must be in \[0, 1\]"),   # lr < 0
     ("--config.train.final_lr_ratio=nan", r"final_lr_ratio must be in \[0, 1\]"),
     ("--config.train.decay_start=-5", "decay_start must be >= 0"),
+    ("--config.train.seed=-1", r"seed must be a whole number in \[0, 4294967295\], got -1"),
 ])
 def test_schedules_that_would_train_backwards_are_refused(override, message):
   """A negative final ratio trained by gradient ascent once the decay began; nan was reported as

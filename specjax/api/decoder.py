@@ -63,8 +63,8 @@ class SpeculativeDecoder:
   assistant_confidence_threshold; the real pair: gamma 7, 0.7); 0: gamma drafts every block.
   mesh: a ('data', 'model') jax.sharding.Mesh to place the params on and decode over (None: one
   device). max_len: cache positions of every model (0: just enough for each batch).
-  rule_args: the rule's hyperparameters (lenient: eps; fuzzy: tau; sprinter: verifier (a
-  train.verifier workdir), threshold, gamma_max; slrs: max_depth; ...).
+  rule_args: the rule's hyperparameters (lenient: eps; fuzzy: threshold, divergence; sprinter:
+  verifier (a train.verifier workdir), threshold, gamma_max; slrs: max_depth; ...).
 
   The compiled programs live in jax's caches, keyed by shapes and static settings: a second
   call with the same settings and prompt buckets compiles nothing (docs/api.md lists what

@@ -99,6 +99,8 @@ class TrainConfig:
     for name in ("batch_size", "log_every", "eval_prompts"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if not 0 <= self.seed < 2**32:
+      raise ValueError(f"seed must be a whole number in [0, {2**32 - 1}], got {self.seed}")
     for name in ("warmup_steps", "decay_start", "eval_every", "learning_rate"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

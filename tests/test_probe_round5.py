@@ -133,3 +133,19 @@ def test_markov_ids_beyond_the_models_vocabulary_are_refused():
                                         r"must fit the models' vocabulary of 128"):
     fit.check_data_vocab(spec, models)
   fit.check_data_vocab(builders.data_spec(load_config("distill_tiny.py")), models)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_its_log_again(tmp_path):
+  """Its step-0 eval record was written twice."""
+  import json
+  from specjax.distill.metrics_log import MetricsLog
+  log = MetricsLog(tmp_path, show=lambda record: None)
+  log.resume(0)
+  assert not (tmp_path / "metrics.jsonl").exists()          # a first run: nothing to mark
+  log.write(0, {"eval_alpha": 0.5, "event": "before training"})
+  log.write(1, {"loss": 2.0})                               # then killed, no checkpoint
+  log.resume(0)
+  log.write(0, {"eval_alpha": 0.5, "event": "before training"})
+  lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert lines == [{"event": "restart", "step": 0},
+                   {"step": 0, "eval_alpha": 0.5, "event": "before training"}]

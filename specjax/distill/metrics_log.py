@@ -39,8 +39,9 @@ class MetricsLog:
   def resume(self, step: int) -> None:
     """A run resuming from the checkpoint of `step`: the records of later steps (logged before
     the previous run stopped, and about to be trained again) and any half-written last line are
-    dropped, and {"event": "resume", "step": step} marks the place."""
-    if not self.active:
+    dropped, and {"event": "resume", "step": step} marks the place. Step 0: a run killed before
+    its first checkpoint starts again, and its records are all dropped ("restart")."""
+    if not self.active or (step == 0 and not self.path.exists()):
       return
     kept = []
     if self.path.exists():
@@ -49,10 +50,10 @@ class MetricsLog:
           record = json.loads(line)
         except json.JSONDecodeError:          # the last line of a killed run
           continue
-        if record.get("step", 0) <= step:
+        if step > 0 and record.get("step", 0) <= step:
           kept.append(line + "\n")
     atomic_write_bytes(self.path, "".join(kept).encode())
-    self._append({"event": "resume", "step": int(step)})
+    self._append({"event": "resume" if step else "restart", "step": int(step)})
 
   def _append(self, record: dict) -> None:
     with self.path.open("a") as f:            # one short line per append: written whole

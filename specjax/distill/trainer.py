@@ -508,8 +508,7 @@ class Trainer:
     TrainingInterrupted is raised."""
     cfg = self.cfg
     metrics_log = MetricsLog(self.workdir, self.show)
-    if first > 0:
-      metrics_log.resume(first)
+    metrics_log.resume(first)
     interval = Interval(throughput.Window(self.mesh.devices.size,
                                           throughput.peak_flops(jax.devices()[0].device_kind)),
                         flops)

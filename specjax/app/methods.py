@@ -90,9 +90,22 @@ def load_placed(config, role: str, mesh, target: bool, alone: bool = False) -> L
                             f"the {role} model")
 
 
+def check_decodable(config) -> None:
+  """A config whose target section has no `checkpoint` field describes a model to train
+  (distill_tiny.py: a Markov language without a tokenizer): refused, naming configs to decode
+  with, before advice about flags that section does not have."""
+  target = config.get("target") if hasattr(config, "get") else None
+  if target is not None and "checkpoint" not in target:
+    raise ConfigError("this config's target section has no checkpoint field: it describes a "
+                      "model to train (train.pretrain / train.distill), not one to decode; "
+                      "decode with a config that names checkpoints (tiny.py, qwen_coder.py, or "
+                      "one of your own)")
+
+
 def build(config, draft_role: str = "draft") -> Method:
   """The configured method; `draft_role` picks another draft section (eval: `draft_raw`). A
   model alone: `autoregressive(config, target_role=ROLE)`."""
+  check_decodable(config)
   return _BUILDERS[_builder_name(method_name(config, draft_role))](config, draft_role=draft_role)
 
 

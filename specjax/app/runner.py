@@ -84,6 +84,7 @@ def check_overrides_apply(config, overrides) -> None:
   settings that it never reads (the draft model's checkpoint, quant, dtype, ...) are refused."""
   # The last override of a key is the one that counts (an earlier --config.draft.checkpoint=PATH
   # emptied by a later --config.draft.checkpoint= is the user turning the draft off).
+  methods.check_decodable(config)
   last = {o.partition("=")[0]: o for o in (o.removeprefix("--").removeprefix("config.")
                                            for o in overrides)}
   if methods.method_name(config) != "autoregressive":

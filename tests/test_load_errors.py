@@ -254,8 +254,9 @@ def test_qwen_pair_absent_gives_one_line_and_exit_2(tmp_path):
   assert "Traceback" not in proc.stderr
   errors = [line for line in proc.stderr.splitlines() if "error:" in line]
   assert len(errors) == 1, proc.stderr
-  assert "checkpoint 'Qwen/Qwen2.5-7B-Instruct' is not a local directory and is not in the " \
-         "local Hugging Face cache" in errors[0]
+  assert "checkpoint 'Qwen/Qwen2.5-7B-Instruct' is not a local directory (Qwen/Qwen2.5-7B-Instruct" \
+         f", relative to the current directory: {tmp_path}/Qwen/Qwen2.5-7B-Instruct) and is not " \
+         "in the local Hugging Face cache" in errors[0]
   assert errors[0].endswith("Then pass --config.target.checkpoint=DIR.")
 
 
@@ -265,6 +266,8 @@ def test_a_missing_local_path_is_named_as_a_path_not_a_hub_id(name):
                      match="does not exist: check the path") as err:
     hf_import.resolve_checkpoint(name)
   assert "huggingface-cli" not in str(err.value)
+  if name.startswith("./"):       # a user's config's relative path: where it was looked for
+    assert f"relative to the current directory: {os.getcwd()}/no/such" in str(err.value)
 
 
 def test_a_damaged_sentencepiece_model_and_a_cache_that_is_a_file_are_named(tmp_path, monkeypatch):

@@ -47,8 +47,8 @@ def resolve_checkpoint(name_or_dir: str) -> Path:
   if _looks_like_path(str(name_or_dir)):
     what = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
     raise CheckpointNotFoundError(
-        f"checkpoint directory {path} {what}: check the path (it should hold config.json and "
-        f"model.safetensors; a hub id looks like ORG/NAME)", str(name_or_dir))
+        f"checkpoint directory {_shown(path)} {what}: check the path (it should hold "
+        f"config.json and model.safetensors; a hub id looks like ORG/NAME)", str(name_or_dir))
   try:
     from huggingface_hub import snapshot_download
     snap = Path(snapshot_download(str(name_or_dir), local_files_only=True))
@@ -57,11 +57,18 @@ def resolve_checkpoint(name_or_dir: str) -> Path:
   except Exception:  # offline and not cached: fall through to the explanation below
     pass
   raise CheckpointNotFoundError(
-      f"checkpoint '{name_or_dir}' is not a local directory and is not in the local Hugging Face "
-      f"cache (needed: config.json, model.safetensors or model.safetensors.index.json + shards, "
+      f"checkpoint '{name_or_dir}' is not a local directory ({_shown(path)}) and is not in the "
+      f"local Hugging Face cache (needed: config.json, model.safetensors or model.safetensors.index.json + shards, "
       f"and the tokenizer files). Download it on a machine with network access "
       f"(huggingface-cli download {name_or_dir} --local-dir DIR) and load it from DIR.",
       str(name_or_dir))
+
+
+def _shown(path: Path) -> str:
+  """A path as messages give it: a relative one with the directory it is taken from."""
+  if path.is_absolute():
+    return str(path)
+  return f"{path}, relative to the current directory: {path.absolute()}"
 
 
 def _looks_like_path(name: str) -> bool:

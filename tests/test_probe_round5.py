@@ -149,3 +149,22 @@ def test_a_run_killed_before_its_first_checkpoint_starts_its_log_again(tmp_path)
   lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert lines == [{"event": "restart", "step": 0},
                    {"step": 0, "eval_alpha": 0.5, "event": "before training"}]
+
+
+def test_a_verifier_trained_on_another_draft_is_refused(tmp_path):
+  """It scored another draft's hidden states without a word (verifier.json recorded no draft)."""
+  from specjax.app import builders, methods
+  from specjax.app.config import ConfigError, load_config
+  config = load_config("sprinter_tiny.py")
+  draft = builders.model_name(config, "draft")
+  assert draft == "builtin:tiny/draft_distilled"
+  meta = {"models": {"target": "builtin:tiny/target", "draft": draft}}
+  methods.check_verifier_draft(meta, draft, "W", "draft")
+  methods.check_verifier_draft({}, "builtin:tiny/draft", "W", "draft")     # saved before: taken
+  with pytest.raises(ConfigError, match=r"the verifier in W was trained on the hidden states of "
+                     r"the draft builtin:tiny/draft_distilled, and this run's draft is "
+                     r"builtin:tiny/draft: set --config.draft.checkpoint"):
+    methods.check_verifier_draft(meta, "builtin:tiny/draft", "W", "draft")
+  (tmp_path / "d").mkdir()
+  local = load_config("sprinter_tiny.py", [f"--config.draft.checkpoint={tmp_path}/d/../d"])
+  assert builders.model_name(local, "draft") == str((tmp_path / "d").resolve())

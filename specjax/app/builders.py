@@ -14,6 +14,7 @@ import functools
 import logging
 import types
 import typing
+from pathlib import Path
 from typing import Any, Mapping
 
 import jax
@@ -121,6 +122,17 @@ def section(config, name: str) -> dict:
   """A config section as a plain dict ({} when absent)."""
   node = config.get(name) if hasattr(config, "get") else None
   return dict(node.items()) if node is not None else {}
+
+
+def model_name(config, role: str) -> str:
+  """What names a section's model, as a verifier records it: its checkpoint (a local path made
+  absolute), else the workdir its params come from (init_from), else its seed-initialised
+  shape."""
+  spec = section(config, role)
+  name = spec.get("checkpoint") or spec.get("init_from") or ""
+  if name and Path(name).expanduser().exists():
+    return str(Path(name).expanduser().resolve())
+  return name or f"a {role} initialised from seed"
 
 
 def rule_section(config) -> dict:

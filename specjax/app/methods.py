@@ -298,6 +298,17 @@ def variant(base: Speculative, config) -> Speculative | StringLevel:
   return dataclasses.replace(base, rule=builders.rule(config, **fixed))
 
 
+def check_verifier_draft(meta: dict, draft: str, workdir: str, draft_role: str) -> None:
+  """A verifier scores its draft's hidden states: one trained on another draft is refused (a
+  verifier saved before train.verifier recorded its models is taken as it is)."""
+  trained = meta.get("models", {}).get("draft")
+  if trained is not None and trained != draft:
+    raise ConfigError(f"the verifier in {workdir} was trained on the hidden states of the draft "
+                      f"{trained}, and this run's draft is {draft}: set "
+                      f"--config.{draft_role}.checkpoint to that draft, or train a verifier for "
+                      f"this one (python -m train.verifier)")
+
+
 def sprinter(config, draft_role: str = "draft") -> Sprinter:
   """SPRINTER with the verifier of `rule.verifier` (a train.verifier workdir)."""
   rule = {k: v for k, v in builders.rule_section(config).items() if k != "name"}
@@ -312,6 +323,7 @@ def sprinter(config, draft_role: str = "draft") -> Sprinter:
   except ValueError as err:
     raise ConfigError(f"the verifier in {hp.verifier} was saved with {err}") from None
   _model_drafts(config, draft_role, "sprinter")
+  check_verifier_draft(meta, builders.model_name(config, draft_role), hp.verifier, draft_role)
   mesh = mesh_from_config(config)
   target, draft = _load_pair(config, "target", draft_role, mesh)
   try:

@@ -113,7 +113,8 @@ def run_from_config(config, workdir: str) -> dict:
     return train_lib.train_verifier(
         target, tparams, draft, dparams, batches, jax.random.PRNGKey(seed),
         warp=builders.decode_settings(config).warp, data=data, training=training,
-        eos=spec.eos_id, mlp_width=run.mlp_width, workdir=workdir, gamma_max=run.gamma_max)
+        eos=spec.eos_id, mlp_width=run.mlp_width, workdir=workdir, gamma_max=run.gamma_max,
+        models={role: builders.model_name(config, role) for role in ("target", "draft")})
   except train_lib.TooFewSequencesError as e:
     raise ConfigError(f"{e}; raise --config.verifier.num_sequences (now {run.num_sequences}) "
                       f"or lower --config.verifier.val_fraction / test_fraction") from e

@@ -171,12 +171,13 @@ def report(verifier: Verifier, params, ds: dict, splits, cfg: TrainConfig) -> di
 def train_verifier(target, target_params, draft, draft_params, batches: Iterable[Batch],
                    key: jax.Array, *, warp: sampling.Warp, data: data_lib.DataConfig,
                    training: TrainConfig, eos: int, mlp_width: int, workdir,
-                   gamma_max: int) -> dict:
+                   gamma_max: int, models: dict | None = None) -> dict:
   """Text prefixes -> examples -> a trained verifier on `draft`'s hidden states, saved in workdir
   (params, verifier.json with the decoding defaults, metrics.json). Returns the metrics.
 
   The decoding defaults saved are training.threshold (the tau the reported rates use), gamma_max
-  and data.lam; the verifier reads data.features.
+  and data.lam; the verifier reads data.features. models: what names the target and the draft
+  it was trained on ({"target": ..., "draft": ...}), saved beside them for decoding to check.
   """
   ds = data_lib.build_dataset(target, target_params, draft, draft_params, batches, key,
                               warp=warp, data=data, eos=eos)
@@ -188,7 +189,8 @@ def train_verifier(target, target_params, draft, draft_params, batches: Iterable
   metrics.update(lam=float(data.lam), features=verifier.features, mlp_width=verifier.mlp_width,
                  parameters=int(sum(x.size for x in jax.tree_util.tree_leaves(params))))
   save(workdir, verifier, params, {"threshold": float(training.threshold),
-                                   "gamma_max": int(gamma_max), "lam": float(data.lam)})
+                                   "gamma_max": int(gamma_max), "lam": float(data.lam),
+                                   **({"models": dict(models)} if models else {})})
   ckpt_lib.write_json(Path(workdir) / "metrics.json", metrics)
   logger.info("verifier saved in %s: test AUROC %.3f, TPR %.3f, FPR %.3f at tau %.2f", workdir,
               metrics["test_auroc"], metrics["test_tpr"], metrics["test_fpr"], training.threshold)

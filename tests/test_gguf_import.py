@@ -7,6 +7,7 @@ files with the offset and what was expected there."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -295,6 +296,22 @@ def test_a_special_id_outside_the_token_list_is_refused(written, key):
   with pytest.raises(gguf_import.GGUFError, match=f"tokenizer's {key} id 9999 is outside its "
                                                   r"\d+ tokens .*the file is damaged"):
     gguf_tokenizer.build(damaged)
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("block_count", 1, "the file holds tensors of 2 layers"),
+    ("context_length", 0, "it must be at least 1"),
+    ("rope.freq_base", -1.0, "it must be a finite number > 0"),
+    ("attention.layer_norm_rms_epsilon", float("nan"), "it must be a finite number > 0"),
+])
+def test_damaged_metadata_is_named_by_its_key_before_conversion(written, key, value, why):
+  """These were refused after conversion, naming the cache's config.json (or, for a non-finite
+  epsilon or rope base, reported as non-finite logits of a float16 overflow)."""
+  ckpt = gguf_import.GGUFCheckpoint(written[2])
+  ckpt.metadata[f"{ckpt.architecture}.{key}"] = value
+  with pytest.raises(gguf_import.GGUFError, match=re.escape(
+      f"{ckpt.path}: {ckpt.architecture}.{key} is {value}: {why}; the file is damaged")):
+    gguf_import.hf_config(ckpt)
 
 
 # ------------------------------------------------------------------- conversion and resolve

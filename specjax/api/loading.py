@@ -268,7 +268,7 @@ def check_vocab(role: str, rows, tokenizer, fix: str) -> None:
     return
   raise VocabMismatchError(
       f"the {role}'s tokenizer ({getattr(tokenizer, 'path', '?')}) has {tokenizer.vocab_size} "
-      f"tokens but the {role} model's embedding table has {rows} rows", fix)
+      f"tokens but the {role}'s embedding table has {rows} rows", fix)
 
 
 def weight_format(path: Path, dtype: str, scan: bool, role: str, quant: str, layout: str,

@@ -370,7 +370,39 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict:
   if arch == "llama":    # biases are visible only as tensors
     config["attention_bias"] = "blk.0.attn_q.bias" in ckpt.tensors
     config["mlp_bias"] = "blk.0.ffn_up.bias" in ckpt.tensors
+  _check_metadata(ckpt, config)
   return config
+
+
+# config.json field -> the metadata key (after "ARCH.") it comes from.
+_METADATA_KEYS = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+                  "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+                  "num_key_value_heads": "attention.head_count_kv",
+                  "head_dim": "attention.key_length",
+                  "max_position_embeddings": "context_length",
+                  "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+                  "rope_theta": "rope.freq_base"}
+
+
+def _check_metadata(ckpt: GGUFCheckpoint, config: dict) -> None:
+  """GGUFError naming the file and the metadata key of a value no model has (a size below 1, a
+  non-finite or non-positive epsilon or rope base, heads that do not group, a block count other
+  than the file's layers), before anything is converted."""
+  arch = ckpt.architecture
+  bad = lambda field, why: GGUFError(f"{ckpt.path}: {arch}.{_METADATA_KEYS[field]} is "
+                                     f"{config[field]}: {why}; the file is damaged")
+  for field in _METADATA_KEYS:
+    value = config[field]
+    if isinstance(value, float) and not (np.isfinite(value) and value > 0):
+      raise bad(field, "it must be a finite number > 0")
+    if isinstance(value, int) and value < 1:
+      raise bad(field, "it must be at least 1")
+  if config["num_attention_heads"] % config["num_key_value_heads"]:
+    raise bad("num_key_value_heads", f"the {config['num_attention_heads']} attention heads "
+              f"must group evenly over it")
+  layers = {name.split(".")[1] for name in ckpt.tensors if name.startswith("blk.")}
+  if len(layers) != config["num_hidden_layers"]:
+    raise bad("num_hidden_layers", f"the file holds tensors of {len(layers)} layers")
 
 
 def _float32(value) -> float:

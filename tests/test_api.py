@@ -533,7 +533,8 @@ def test_warp_values_per_prompt_give_each_prompt_its_own_law(models, draft, rule
   0) is greedy inside a sampled batch. Other per-row values of the same top_k bucket reuse the
   compiled loop. (Rows 1 and 2 share top_k's bucket: their one-value calls share a program.)"""
   decoder = specjax.SpeculativeDecoder(models["target"], None if draft is None else
-                                       models[draft], rule=rule, gamma=3)
+                                       models[draft], rule=rule,
+                                       gamma=None if draft is None else 3)
   run = lambda **kw: decoder.generate(PROMPTS, max_new_tokens=10, seed=5, **kw).tokens
   mixed = run(**PER_ROW)
   if draft is None:                            # each batch takes its own rows' values

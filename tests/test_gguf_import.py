@@ -314,6 +314,24 @@ def test_damaged_metadata_is_named_by_its_key_before_conversion(written, key, va
     gguf_import.hf_config(ckpt)
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("missing", r"the file lacks tensor 'blk\.1\.attn_v\.weight', which its metadata implies"),
+    ("kv_heads", r"tensor 'blk\.0\.attn_k\.weight' has shape \(32, 64\) but the metadata "
+                 r"\(.*head_count_kv=1.*\) implies \(16, 64\)"),
+])
+def test_tensors_that_disagree_with_the_metadata_are_named_before_conversion(
+    written, tmp_path, damage, message):
+  """These were refused after conversion, naming the cache's directory and HF's tensor names."""
+  ckpt = gguf_import.GGUFCheckpoint(written[2])
+  if damage == "missing":
+    del ckpt.tensors["blk.1.attn_v.weight"]
+  else:
+    ckpt.metadata[f"{ckpt.architecture}.attention.head_count_kv"] = 1
+  with pytest.raises(gguf_import.GGUFError, match=re.escape(str(ckpt.path)) + ": " + message):
+    gguf_import.convert(ckpt, tmp_path / "hf", tokenizer=None)
+  assert not list(tmp_path.iterdir())                            # nothing was written
+
+
 # ------------------------------------------------------------------- conversion and resolve
 
 def test_resolve_converts_once_and_loads(written, imported, tmp_path, monkeypatch):

@@ -405,6 +405,36 @@ def _check_metadata(ckpt: GGUFCheckpoint, config: dict) -> None:
     raise bad("num_hidden_layers", f"the file holds tensors of {len(layers)} layers")
 
 
+def _gguf_name(name: str) -> str:
+  """The GGUF name of an HF tensor name (hf_name's inverse)."""
+  globals_ = {hf: g for g, hf in _GLOBAL_NAMES.items()}
+  if name in globals_:
+    return globals_[name]
+  index, leaf = name.split(".", 3)[2:]
+  return f"blk.{index}.{next(g for g, hf in _LAYER_NAMES.items() if hf == leaf)}"
+
+
+def _check_tensors(ckpt: GGUFCheckpoint, model) -> None:
+  """GGUFError naming the file and a tensor that the metadata implies but the file lacks or holds
+  in another shape (the metadata and the tensors disagree), before anything is converted."""
+  for name, want in convert_llama.hf_shapes(model).items():
+    gguf_name = _gguf_name(name)
+    if gguf_name not in ckpt.tensors:
+      raise GGUFError(f"{ckpt.path}: the file lacks tensor '{gguf_name}', which its metadata "
+                      f"implies; the file is damaged or incomplete")
+    if ckpt.shape(gguf_name) != want:
+      raise GGUFError(f"{ckpt.path}: tensor '{gguf_name}' has shape {ckpt.shape(gguf_name)} but "
+                      f"the metadata ({_sizes(ckpt)}) implies {want}; the file is damaged")
+
+
+def _sizes(ckpt: GGUFCheckpoint) -> str:
+  """The metadata sizes that set the tensors' shapes, as `key=value` text."""
+  keys = ("embedding_length", "feed_forward_length", "attention.head_count",
+          "attention.head_count_kv", "attention.key_length")
+  return ", ".join(f"{ckpt.architecture}.{k}={ckpt.get(k)}" for k in keys
+                   if ckpt.get(k) is not None)
+
+
 def _float32(value) -> float:
   """A float32 metadata value as the decimal it was written from (9.99999997e-07 -> 1e-06)."""
   return float(f"{float(value):.7g}")
@@ -467,6 +497,7 @@ def convert(ckpt: "GGUFCheckpoint", out_dir: str | Path, tokenizer, shard_bytes:
   after each tensor (progress)."""
   from safetensors.numpy import save_file
   model = convert_llama.model_from_hf_config(hf_config(ckpt), "float32")   # checks the config
+  _check_tensors(ckpt, model)
   out = Path(out_dir)
   tmp = out.with_name(out.name + ".partial")
   shutil.rmtree(tmp, ignore_errors=True)

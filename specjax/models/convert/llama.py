@@ -149,6 +149,22 @@ def _read(tensors: Mapping[str, np.ndarray], name: str, path: tuple[str, ...],
   return (tensor.T if transpose else tensor).astype(dtype)
 
 
+def hf_shapes(model: Llama) -> dict[str, tuple[int, ...]]:
+  """Every HF tensor name the model reads (per layer: model.layers.0 .. L-1) -> the shape its
+  config implies, in HF's layout (Linear weights [out, in])."""
+  cfg = model.config
+  shapes = quant.float_shapes(jax.eval_shape(layers.with_scan(model).init_params,
+                                             jax.random.PRNGKey(0)), cfg.quant)
+  out = {}
+  for name, path in _hf_names(model).items():
+    shape = tree_get(shapes, path).shape
+    per_layer = path[0] == "layers"
+    shape = shape[1:] if per_layer else shape
+    shape = tuple(shape[::-1] if _transposed(cfg, path) else shape)
+    out.update({name.format(i=i): shape for i in (range(cfg.num_layers) if per_layer else [0])})
+  return out
+
+
 def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
   """HF tensors -> params. `tensors` may be lazy (each lookup reads a file): every tensor is
   read once and cast to the model dtype on its own, per-layer ones straight into their [L, ...]

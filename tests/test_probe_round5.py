@@ -168,3 +168,24 @@ def test_a_verifier_trained_on_another_draft_is_refused(tmp_path):
   (tmp_path / "d").mkdir()
   local = load_config("sprinter_tiny.py", [f"--config.draft.checkpoint={tmp_path}/d/../d"])
   assert builders.model_name(local, "draft") == str((tmp_path / "d").resolve())
+
+
+def test_the_python_api_refuses_a_verifier_trained_on_another_draft(tmp_path, monkeypatch):
+  """specjax.generate(rule='sprinter') scored any same-width draft's hidden states: the verifier
+  now records its draft's checkpoint directory, which the loaded draft must come from."""
+  import types
+  from specjax.api import decoder
+  from specjax.api.errors import UsageError
+  from specjax.app import resolve, sprinter_train
+  from specjax.app.config import load_config
+  config = load_config("sprinter_tiny.py", [f"--config.draft.checkpoint={tmp_path}/d"])
+  monkeypatch.setattr(resolve, "checkpoint_dir", lambda spec: tmp_path / "d" / ".." / "d")
+  meta = {"models": sprinter_train._models(config)}
+  assert meta["models"]["draft_dir"] == str((tmp_path / "d").resolve())
+  loaded_from = lambda path: types.SimpleNamespace(path=path)
+  decoder._check_verifier_draft(meta, loaded_from(tmp_path / "d"), "W")
+  decoder._check_verifier_draft({}, loaded_from(tmp_path / "e"), "W")     # saved before: taken
+  with pytest.raises(UsageError, match=f"the verifier in W was trained on the hidden states of "
+                     f"the draft in {tmp_path / 'd'}, and this draft was loaded from "
+                     f"{tmp_path / 'e'}: pass draft=specjax.load"):
+    decoder._check_verifier_draft(meta, loaded_from(tmp_path / "e"), "W")

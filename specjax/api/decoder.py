@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import inspect
 import logging
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -290,6 +291,17 @@ def _string_level(target, draft, method: str, args: dict, settings, mesh) -> Str
                      max_depth=_int_arg(args.get("max_depth", 3), "max_depth", 1))
 
 
+def _check_verifier_draft(meta: dict, draft: LoadedModel, workdir) -> None:
+  """A verifier scores its draft's hidden states: one trained on the draft of another checkpoint
+  directory is refused (one saved without `draft_dir` is taken as it is)."""
+  trained = meta.get("models", {}).get("draft_dir")
+  if trained is not None and Path(trained).resolve() != Path(draft.path).resolve():
+    raise UsageError(f"the verifier in {workdir} was trained on the hidden states of the draft "
+                     f"in {trained}, and this draft was loaded from {draft.path}: pass "
+                     f"draft=specjax.load(...) of that checkpoint, or train a verifier for this "
+                     f"draft (python -m train.verifier)")
+
+
 def _sprinter(target, draft, args: dict, settings, mesh) -> Sprinter:
   unknown = sorted(set(args) - {"verifier", "threshold", "gamma_max"})
   if unknown or "verifier" not in args:
@@ -298,6 +310,7 @@ def _sprinter(target, draft, args: dict, settings, mesh) -> Sprinter:
                      + (f"; not {', '.join(unknown)}" if unknown else ""))
   check_same_vocabulary(target, draft, "rule='sprinter'")
   verifier, params, meta = sprinter_verifier.load(str(args["verifier"]))
+  _check_verifier_draft(meta, draft, args["verifier"])
   threshold, gamma_max = sprinter_verifier.decode_settings(meta, args.get("threshold", -1.0),
                                                            args.get("gamma_max", -1))
   try:

@@ -93,6 +93,16 @@ def check_verifier_workdir(workdir: str, overwrite: bool) -> Path:
   return path
 
 
+def _models(config) -> dict:
+  """What names the target and the draft (builders.model_name), and the draft's checkpoint
+  directory when it has one (`draft_dir`: what the Python API's loaded draft is checked by)."""
+  models = {role: builders.model_name(config, role) for role in ("target", "draft")}
+  spec = builders.model_spec(config, "draft")
+  if spec.checkpoint:
+    models["draft_dir"] = str(resolve.checkpoint_dir(spec).resolve())
+  return models
+
+
 def run_from_config(config, workdir: str) -> dict:
   """Models + text prefixes -> examples -> trained verifier, saved in workdir with
   verifier.json and metrics.json. Returns the metrics."""
@@ -114,7 +124,7 @@ def run_from_config(config, workdir: str) -> dict:
         target, tparams, draft, dparams, batches, jax.random.PRNGKey(seed),
         warp=builders.decode_settings(config).warp, data=data, training=training,
         eos=spec.eos_id, mlp_width=run.mlp_width, workdir=workdir, gamma_max=run.gamma_max,
-        models={role: builders.model_name(config, role) for role in ("target", "draft")})
+        models=_models(config))
   except train_lib.TooFewSequencesError as e:
     raise ConfigError(f"{e}; raise --config.verifier.num_sequences (now {run.num_sequences}) "
                       f"or lower --config.verifier.val_fraction / test_fraction") from e

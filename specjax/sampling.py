@@ -280,6 +280,18 @@ def fold_table(keys: jax.Array, count: int) -> jax.Array:
   return jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(data))(keys)
 
 
+def fit_width(logits: jax.Array, width: int) -> jax.Array:
+  """logits [..., V] -> [..., width]: cut past `width`, or padded with the dtype's lowest finite
+  value (no probability under any warp, and still finite for nonfinite_rows). For a draft that
+  shares the target's tokenizer but pads its embedding to another row count (Qwen2.5-7B: 152,064
+  rows, 0.5B: 151,936): no tokenizer id lies past either width."""
+  have = logits.shape[-1]
+  if have >= width:
+    return logits[..., :width]
+  pad = jnp.full(logits.shape[:-1] + (width - have,), jnp.finfo(logits.dtype).min, logits.dtype)
+  return jnp.concatenate([logits, pad], axis=-1)
+
+
 def nonfinite_rows(logits: jax.Array) -> jax.Array:
   """[B] True where a row of logits [B, ...] holds NaN or +inf (-inf is a legitimate logit: a
   masked token). One float max per row, which XLA propagates NaN through: on XLA:CPU it costs

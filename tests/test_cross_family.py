@@ -118,3 +118,19 @@ def test_slem_equals_target_decoding_and_slrs_emits_target_tokens(pair):
   slrs = sl.generate(*args, jax.random.PRNGKey(1), method="slrs", max_new_tokens=2,
                      max_depth=2, warp=sampling.Warp(top_k=4), eos_id=None)
   assert len(slrs.tokens) == 2 and max(slrs.tokens) < ttok.vocab_size
+
+
+def test_a_draft_with_the_targets_tokenizer_and_other_padding_rows(pair, tmp_path):
+  """qwen2_5_7b.py's pair: one tokenizer, embeddings padded to 152,064 and 151,936 rows. Every
+  same-vocabulary rule refused it ("draft vocab size differs"); the draft's logits are now fitted
+  to the target's width, and greedy SD gives the target's tokens."""
+  import specjax
+  target, _ = pair
+  ddir = tiny_checkpoints.qwen2_checkpoint(tmp_path / "d", seed=3, pad_to=256)
+  draft = specjax.load(str(ddir), layers="unrolled")
+  assert draft.model.vocab_size != target.model.vocab_size
+  alone = specjax.generate(target, [TEXT], temperature=0.0, max_new_tokens=NEW).tokens
+  for rule in ("exact", "greedy"):
+    out = specjax.generate(target, [TEXT], draft=draft, rule=rule, temperature=0.0,
+                           max_new_tokens=NEW)
+    assert out.tokens == alone, rule

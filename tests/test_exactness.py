@@ -57,6 +57,29 @@ def test_mutant_rule_fails_the_same_test():
   assert _pvalue(_ResampleFromP(), 3, "poor") < 1e-6
 
 
+def _pvalue_other_width(rule, draft_width: int, seed=0):
+  """Exact SD with a draft of another logits width (the target's tokenizer, padded to another
+  row count): the draft's q is cut or padded to the target's width."""
+  draft_model = testing.ToyAR(draft_width, MODEL.num_positions)
+  target = MODEL.init_params(jax.random.PRNGKey(0))["table"]
+  draft = draft_model.init_params(jax.random.PRNGKey(1))["table"]
+  warp = Warp(temperature=1.0)
+  gen = speculative.generate(MODEL, {"table": target}, draft_model, {"table": draft},
+                             Prompt.from_lists([PROMPT] * N_RUNS), jax.random.PRNGKey(seed),
+                             rule=rule, gamma=3, max_new_tokens=MAX_NEW, warp=warp, eos_id=EOS)
+  law = testing.enumerate_law(MODEL, {"table": target}, PROMPT, max_new_tokens=MAX_NEW,
+                              warp=warp, eos_id=EOS)
+  return testing.chi_square_pvalue(law, testing.sequence_counts(gen.tokens, gen.lengths))
+
+
+@pytest.mark.parametrize("draft_width", [V - 1, V + 2])
+def test_a_draft_of_another_width_keeps_the_target_law(draft_width):
+  """A narrower draft never proposes the ids past its rows (and is fed the target's as its last
+  row); a wider one's ids past the target's are cut. Both were refused (qwen2_5_7b.py's pair)."""
+  assert _pvalue_other_width(registry.get("exact"), draft_width) > 1e-3
+  assert _pvalue_other_width(_ResampleFromP(), draft_width) < 1e-6      # the test has power
+
+
 def test_residual_identity():
   """min(p, q) + (1 - sum min) norm(max(0, p - q)) = p, with zeros and p == q included."""
   keys = jax.random.split(jax.random.PRNGKey(3), 3)

@@ -47,13 +47,6 @@ def test_gamma_below_one_is_refused(gamma):
     _spec(Prompt.from_lists(ROWS), jax.random.PRNGKey(0), gamma=gamma)
 
 
-def test_vocab_mismatch_is_refused():
-  small = testing.ToyAR(3, 6)
-  with pytest.raises(ValueError, match="vocab size 3 differs from target vocab size 4"):
-    _spec(Prompt.from_lists(ROWS), jax.random.PRNGKey(0), draft=small,
-          draft_params=small.init_params(jax.random.PRNGKey(0)))
-
-
 def test_prompt_longer_than_cache_is_refused():
   with pytest.raises(CacheOverflowError, match="needs 14 cache positions but the cache holds 10"):
     _spec(Prompt.from_lists(ROWS), jax.random.PRNGKey(0), max_len=10)   # 5 + 6 + 3

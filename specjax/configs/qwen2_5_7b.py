@@ -1,5 +1,6 @@
 r"""A real pair by hub ids: Qwen2.5-7B-Instruct (target) with Qwen2.5-0.5B-Instruct (draft), one
-tokenizer, chat prompts, the exact rule (the output law is the target's).
+tokenizer (the target's embedding has 152,064 rows, the draft's 151,936: the draft's logits are
+fitted to the target's width), chat prompts, the exact rule (the output law is the target's).
 
 Hub ids resolve through the local Hugging Face cache only (no download at run time): fetch the
 two checkpoints once on a machine with network access, e.g.

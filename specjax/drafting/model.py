@@ -74,12 +74,10 @@ class ModelDrafter(Drafter):
     vmap = self.vocab if rule.needs_same_vocab else rule.vocab
     return dataclasses.replace(self, length=policy, vocab=vmap)
 
-  def check(self, target, rule) -> None:
-    if rule.needs_same_vocab and self.draft_model.vocab_size != target.vocab_size:
-      raise ValueError(
-          f"draft vocab size {self.draft_model.vocab_size} differs from target vocab size "
-          f"{target.vocab_size} and rule {rule.rule_name or type(rule).__name__!r} needs a shared "
-          f"vocabulary: use a draft with the target's tokenizer or a cross-vocabulary rule")
+  # A same-vocabulary rule with a draft of another logits width (the target's tokenizer, its
+  # embedding padded to another row count): q is the draft's logits fitted to the target's width
+  # (sampling.fit_width), and a committed id past the draft's rows is fed to it as its last row.
+  # Which tokenizer the draft has is checked above this layer (api/methods.check_same_vocabulary).
 
   def init(self, params, draft_prompt, new_cache, gamma: int):
     del gamma
@@ -94,7 +92,7 @@ class ModelDrafter(Drafter):
   def to_draft_ids(self, tokens: jax.Array) -> jax.Array:
     """Target ids [...] -> the draft's ids; a token without one draft id -> its first image id."""
     if self.vocab is None:
-      return tokens
+      return jnp.minimum(tokens, self.draft_model.vocab_size - 1)
     t2d = jnp.asarray(self.vocab.t2d)
     first = jnp.asarray(self.vocab.images[:, 0])
     safe = jnp.clip(tokens, 0, t2d.shape[0] - 1)
@@ -103,7 +101,7 @@ class ModelDrafter(Drafter):
   def draft_images(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Target ids [...] -> (draft encodings [..., W] zero-padded, their lengths [...])."""
     if self.vocab is None:
-      return tokens[..., None], jnp.ones_like(tokens)
+      return self.to_draft_ids(tokens)[..., None], jnp.ones_like(tokens)
     safe = jnp.clip(tokens, 0, self.vocab.images.shape[0] - 1)
     return jnp.asarray(self.vocab.images)[safe], jnp.asarray(self.vocab.image_len)[safe]
 
@@ -122,12 +120,15 @@ class ModelDrafter(Drafter):
     cache = kv_cache.rollback(state, start)
     logits, _, cache = model.extend(params, feed, cache, count - 1)       # [B, 1, V_d]
     cache = kv_cache.rollback(cache, start + count)
+    # [B, V_d] -> [B, V]: the target's width (a shared vocabulary padded to another row count)
+    fit = (lambda x: x) if self.vocab is not None else (
+        lambda x: sampling.fit_width(x, block.vocab))
 
     def step(cache, prev):                                                # prev [B] target ids
       logits, _, cache = model.extend(params, self.to_draft_ids(prev)[:, None], cache)
-      return logits[:, 0], cache
+      return fit(logits[:, 0]), cache
 
-    return draft_steps(self.length, block, logits[:, 0], cache, step)
+    return draft_steps(self.length, block, fit(logits[:, 0]), cache, step)
 
   def _feed(self, anchors, block: Block):
     """Where to rewind the draft and what to feed it: the draft encodings of the last two

@@ -169,8 +169,10 @@ def _validate(target, draft, verifier, prompt, *, threshold, gamma_max, max_new_
   """Host-side checks with actionable messages, before anything is traced."""
   ar.check_batch(max_new_tokens, prompt, warp)
   if draft.vocab_size != target.vocab_size:
-    raise ValueError(f"draft vocab size {draft.vocab_size} differs from target vocab size "
-                     f"{target.vocab_size}: SPRINTER's token test needs a shared vocabulary")
+    raise ValueError(f"SPRINTER needs a draft whose logits width is the target's, and the "
+                     f"draft's is {draft.vocab_size}, the target's {target.vocab_size}: decode "
+                     f"this pair with a same-vocabulary rule (exact, greedy, ...), which fits "
+                     f"the draft's logits to the target's width")
   if getattr(verifier, "hidden_size", draft.hidden_size) != draft.hidden_size:
     raise ValueError(f"the verifier reads hidden states of size {verifier.hidden_size} but the "
                      f"draft's are {draft.hidden_size}: it was trained on another draft")

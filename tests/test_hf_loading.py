@@ -138,7 +138,7 @@ def test_unsupported_dtypes_are_refused(checkpoints, tmp_path):
   tensors["transformer.h.0.ln_1.weight"] = tensors["transformer.h.0.ln_1.weight"].astype(np.int32)
   _copy_with(path, tmp_path, tensors)
   with pytest.raises(ValueError, match=re.escape(
-      "h.0.ln_1.weight is stored as int32; specjax reads ('float16', 'bfloat16', 'float32'")):
+      "h.0.ln_1.weight is stored as int32; specjax reads float16, bfloat16, float32")):
     hf_import.load_model(str(tmp_path))
   with pytest.raises(ValueError, match=re.escape(
       "dtype 'float16' is not supported; use one of ('float32', 'bfloat16')")):

@@ -317,3 +317,32 @@ def test_init_from_of_another_size_names_the_flag_tensor_and_shapes(tmp_path):
       f"--config.target.init_from={tmp_path}: {tmp_path / 'params'} holds params of another "
       f"model: tensor ") + r"\S+ has shape \(\d+, 16\) there, and this model expects \(\d+, 32\)"):
     builders.with_init_from(spec, params)
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8", "config"])
+def test_a_quantized_checkpoint_is_refused_before_its_weights_are_read(dirs, tmp_path, kind):
+  """Probe round 6: int8 weights with weight_scale tensors loaded as floats and decoded garbage
+  (exit 0); float8 weights raised AttributeError from numpy. The Llama family now checks every
+  tensor's dtype from the headers, as GPT-2 and T5 did, and a config.json that declares a
+  quantization is refused by name."""
+  import ml_dtypes
+  import numpy as np
+  quant = {"quant_method": "fp8"} if kind == "config" else None
+  path = _copy(dirs["qwen2"], tmp_path / "ckpt", quantization_config=quant)
+  weights = load_file(path / "model.safetensors")
+  stored = {"int8": np.int8, "float8": ml_dtypes.float8_e4m3fn}.get(kind)
+  if stored is not None:
+    for name in [k for k in weights if k.endswith("proj.weight")]:
+      scale = np.abs(weights[name]).max(axis=1, keepdims=True) / 127
+      weights[name] = np.round(weights[name] / scale).astype(stored)
+      weights[name.replace(".weight", ".weight_scale")] = scale.astype(np.float32)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+  with pytest.raises(ValueError) as err:
+    hf_import.load_model(str(path))
+  text = str(err.value)
+  if kind == "config":
+    assert text.startswith(f"{path / 'config.json'}: the checkpoint is quantized (fp8)"), text
+  else:
+    assert text.startswith(f"{path}: Llama-family checkpoint tensor model.layers.0."), text
+    assert f"is stored as {'int8' if kind == 'int8' else 'F8_E4M3'}; specjax reads " in text, text
+  assert "quant='int8'" in text, text

@@ -322,6 +322,10 @@ class HFTensors(Mapping):
       tensor = _unpermute(tensor, self._heads[projection])
     return tensor
 
+  def header(self, name: str) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype name) of a tensor as a lookup returns it, without dequantizing it."""
+    return self.ckpt.shape(self._names[name]), "float32"
+
   def __contains__(self, name) -> bool:   # from the names: Mapping's default would dequantize
     return name in self._names
 

@@ -201,6 +201,13 @@ def _model_from_config(mod, hf_config: dict, dtype: str, file: Path):
   """mod.model_from_hf_config, with a missing key named (and, when the keys are another
   family's, that family) instead of a bare KeyError, and damaged numbers named (check_numbers)."""
   check_numbers(hf_config, file)
+  if hf_config.get("quantization_config"):
+    method = hf_config["quantization_config"]
+    method = method.get("quant_method", "") if isinstance(method, dict) else ""
+    raise ValueError(f"{file}: the checkpoint is quantized ({method or 'quantization_config'}); "
+                     f"specjax reads float16, bfloat16 or float32 weights: use the unquantized "
+                     f"checkpoint, and quantize it at load with --config.ROLE.quant=int8 (or "
+                     f"quant='int8' in specjax.load)")
   try:
     return mod.model_from_hf_config(hf_config, dtype)
   except KeyError as err:

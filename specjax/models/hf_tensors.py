@@ -130,7 +130,7 @@ class LazyTensors(Mapping):
 
 def tensor_header(tensors: Mapping, name: str) -> tuple[tuple[int, ...], str]:
   """(shape, dtype name) of tensors[name]: from the file header when lazy, else the array's."""
-  if isinstance(tensors, LazyTensors):
+  if hasattr(tensors, "header"):           # LazyTensors, gguf_import.HFTensors: no read
     return tensors.header(name)
   array = np.asarray(tensors[name])
   return array.shape, array.dtype.name
@@ -149,7 +149,8 @@ def check_tensors(tensors: Mapping, expected: Mapping[str, tuple[int, ...]], wha
                        f"implies {tuple(want)}: {hint}")
     if dtype not in SOURCE_DTYPES:
       raise ValueError(f"{what} checkpoint tensor {name} is stored as {dtype}; specjax reads "
-                       f"{SOURCE_DTYPES} (quantized checkpoints are not supported).")
+                       f"{', '.join(SOURCE_DTYPES)}: use the unquantized checkpoint (specjax "
+                       f"quantizes it at load with quant='int8', --config.ROLE.quant=int8)")
 
 
 def check_names(tensors: Mapping, expected: list[str], what: str, hint: str) -> None:

@@ -176,11 +176,13 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
                                              jax.random.PRNGKey(0)), cfg.quant)
   dtype = model.dtype
   names = _hf_names(model)
-  expected = [n.format(i=i) for n, path in names.items()
-              for i in (range(cfg.num_layers) if path[0] == "layers" else [0])]
-  hf_tensors.check_names(tensors, expected, "Llama-family",
-                         f"does its config.json (num_hidden_layers={cfg.num_layers}, "
-                         f"tie_word_embeddings={cfg.tie_word_embeddings}) match the weights?")
+  # Files' headers give dtypes and shapes without a read; an in-memory mapping's arrays are
+  # checked as they are read (_read), so each tensor is still read once.
+  check = hf_tensors.check_tensors if hasattr(tensors, "header") else (
+      lambda tensors, expected, *why: hf_tensors.check_names(tensors, list(expected), *why))
+  check(tensors, hf_shapes(model), "Llama-family",
+        f"does its config.json (num_hidden_layers={cfg.num_layers}, "
+        f"tie_word_embeddings={cfg.tie_word_embeddings}) match the weights?")
   if not cfg.scan_layers:
     return _params_unrolled(tensors, names, shapes, cfg, dtype)
   params: dict = {}

@@ -13,6 +13,7 @@ and exports its model when done. CACHE is $SPECJAX_CACHE or ~/.cache/specjax.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from rich.console import Console
 
 from specjax.api import loading
 from specjax.app import builders
+from specjax.app.config import ConfigError
 from specjax.app.fit import fit
 from specjax.data.cache import cache_dir
 from specjax.data.tokenizer import get_tokenizer
@@ -70,7 +72,7 @@ def recipe(name: str) -> mlc.ConfigDict:
     steps = dict(target=400, draft=300, distill=100)
   else:
     raise ValueError(f"unknown embedded pair '{name}'; known: tiny, tiny_t5")
-  scale = float(os.environ.get("SPECJAX_ZOO_STEP_SCALE", "1"))   # < 1: a quick smoke build
+  scale = step_scale()
   c.steps = mlc.ConfigDict({k: max(int(v * scale), 2) for k, v in steps.items()})
   # A smoke build's models are untrained: its second tokenizer reads only the corpus's first 2M
   # characters, an eighth of the training time of the full one.
@@ -90,8 +92,27 @@ def recipe(name: str) -> mlc.ConfigDict:
   return c
 
 
+def step_scale() -> float:
+  """$SPECJAX_ZOO_STEP_SCALE: what the embedded pairs' training steps are multiplied by (default
+  1; below 1 a quick smoke build of barely trained models). ConfigError naming the variable for
+  anything but a number >= 0."""
+  text = os.environ.get("SPECJAX_ZOO_STEP_SCALE", "1")
+  try:
+    scale = float(text)
+  except ValueError:
+    scale = math.nan
+  if not (math.isfinite(scale) and scale >= 0):
+    raise ConfigError(f"SPECJAX_ZOO_STEP_SCALE={text!r}: the embedded pairs' training steps are "
+                      f"multiplied by it; give a number >= 0 (1, the default, builds the full "
+                      f"pair; 0 a smoke build of two steps per stage)")
+  return scale
+
+
 def pair_dir(name: str) -> Path:
-  return cache_dir() / "zoo" / name
+  """CACHE/zoo/NAME; a build at another step scale is kept apart (NAME-steps0.5), so a full run
+  never takes a smoke build's models for the pair's."""
+  scale = step_scale()
+  return cache_dir() / "zoo" / (name if scale == 1 else f"{name}-steps{scale:g}")
 
 
 def ensure(spec: str) -> Path:

@@ -38,6 +38,8 @@ def read_prompts(args, cfg) -> list[str]:
   prompts = list(args.prompt)
   if any(not p.strip() for p in prompts):
     raise PromptError("--prompt is empty: give the text to continue")
+  for text in prompts:
+    _check_utf8(text)
   if args.input_file:
     prompts += read_prompt_file(args.input_file)
   if not prompts:
@@ -49,6 +51,18 @@ def read_prompts(args, cfg) -> list[str]:
   if not prompts:
     raise PromptError("no prompt: pass --prompt TEXT or --input_file FILE")
   return prompts
+
+
+def _check_utf8(text: str) -> None:
+  """PromptError naming the first byte of a --prompt that is not UTF-8 (Python keeps such argv
+  bytes as lone surrogates, which no tokenizer encodes)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as err:
+    at = len(text[:err.start].encode("utf-8", "surrogateescape"))
+    byte = text[err.start].encode("utf-8", "surrogateescape")[0]
+    raise PromptError(f"--prompt is not UTF-8 text (byte {at} is {byte:#04x}): pass UTF-8 "
+                      f"text") from None
 
 
 def read_prompt_file(name: str) -> list[str]:

@@ -196,6 +196,8 @@ def test_drafting_arguments_without_a_draft_are_refused(models):
     ([[1, -2]], "all strings or all lists of token ids"),
     ([""], "prompt 0 is empty"),
     ([[1, VOCAB + 5]], f"past the target's {VOCAB} embedding rows"),
+    (["ok", "a\ud800b"], r"prompt 1 is not valid text: character 1 is a lone surrogate "
+                          r"\(U\+D800\)"),                    # was transformers' TypeError
 ])
 def test_bad_prompts_are_refused(models, prompts, message):
   with pytest.raises(specjax.UsageError, match=message):

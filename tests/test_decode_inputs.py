@@ -64,6 +64,12 @@ def test_an_empty_prompt_is_refused(capsys, prompt):
   assert code == 2 and "--prompt is empty" in err, err
 
 
+def test_a_prompt_that_is_not_utf8_is_refused(capsys):
+  """The argv bytes b'caf\\xe9' reached the tokenizer as a lone surrogate: a TypeError."""
+  code, err = _main(capsys, "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape"))
+  assert code == 2 and "--prompt is not UTF-8 text (byte 3 is 0xe9)" in err, err
+
+
 @pytest.mark.parametrize("prompts", [[1, 2], ["a", ""]])
 def test_a_configs_prompts_that_are_not_texts_are_refused(prompts):
   """A config's `prompts = [1, 2]` ended in a TypeError traceback."""

@@ -370,6 +370,17 @@ def _check_model(model, role: str) -> None:
                      f"specjax.load(NAME_OR_PATH)")
 
 
+def _check_text(i: int, text: str) -> None:
+  """UsageError naming a lone surrogate in prompt i (no tokenizer encodes one: text decoded from
+  bytes that are not UTF-8, with errors='surrogateescape')."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as err:
+    raise UsageError(f"prompt {i} is not valid text: character {err.start} is a lone surrogate "
+                     f"(U+{ord(text[err.start]):04X}), which no tokenizer encodes; decode the "
+                     f"prompt's bytes as UTF-8") from None
+
+
 def _check_prompts(prompts, method: Method, chat: bool) -> list:
   """Prompts as a list of strings or of id lists (one kind), checked before any work."""
   if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
@@ -379,6 +390,8 @@ def _check_prompts(prompts, method: Method, chat: bool) -> list:
     empty = [i for i, p in enumerate(prompts) if not p]
     if empty:
       raise UsageError(f"prompt {empty[0]} is empty: give text to continue")
+    for i, text in enumerate(prompts):
+      _check_text(i, text)
     return list(prompts)
   empty = [i for i, p in enumerate(prompts) if isinstance(p, (list, tuple)) and not len(p)]
   if empty:

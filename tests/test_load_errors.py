@@ -346,3 +346,22 @@ def test_a_quantized_checkpoint_is_refused_before_its_weights_are_read(dirs, tmp
     assert text.startswith(f"{path}: Llama-family checkpoint tensor model.layers.0."), text
     assert f"is stored as {'int8' if kind == 'int8' else 'F8_E4M3'}; specjax reads " in text, text
   assert "quant='int8'" in text, text
+
+
+@pytest.mark.parametrize("file, content, message", [
+    ("tokenizer.json", "{not json", "tokenizer.json is not valid JSON (Expecting property"),
+    ("generation_config.json", "{bad", "generation_config.json is not valid JSON (Expecting"),
+    ("config.json", None, "config.json: transformers refuses it while reading the tokenizer "
+                          "(TypeError: Field 'rms_norm_eps' expected float, got int (value: 1))"),
+])
+def test_damaged_tokenizer_files_are_named(dirs, tmp_path, file, content, message):
+  """Probe round 6: a damaged tokenizer.json or generation_config.json gave a bare JSON error
+  naming no file, and an integer where transformers' strict config wants a float (rms_norm_eps
+  1) a traceback from inside AutoTokenizer."""
+  path = _copy(dirs["qwen2"], tmp_path / "ckpt", **({"rms_norm_eps": 1} if content is None
+                                                     else {}))
+  if content is not None:
+    (path / file).write_text(content)
+  with pytest.raises(tk.TokenizerFileError) as err:
+    tk.get_tokenizer(str(path))
+  assert str(err.value).startswith(str(path / file)) and message in str(err.value), err.value

@@ -62,6 +62,35 @@ class TokenizerNotFoundError(FileNotFoundError):
     self.path = path
 
 
+class TokenizerFileError(ValueError):
+  """A checkpoint's tokenizer or config files that cannot be read; the message names the file."""
+
+
+# The JSON files transformers reads to build a checkpoint's tokenizer (and specjax, for its ids).
+_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "config.json", "generation_config.json")
+
+
+def _unreadable(path, err: Exception) -> TokenizerFileError:
+  """What transformers' failure to read the tokenizer of `path` means: a JSON file of it that is
+  not JSON (named), else transformers' own reason."""
+  for name in _JSON_FILES:
+    file = pathlib.Path(path) / name
+    try:
+      if file.is_file():
+        json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as bad:
+      return TokenizerFileError(f"{file} is not valid JSON ({bad}): the checkpoint's files are "
+                                f"damaged; re-download or re-export them")
+  if type(err).__module__.split(".")[0] == "huggingface_hub":   # a strict config check
+    reason = str(err).strip().splitlines()[-1].strip()
+    return TokenizerFileError(f"{pathlib.Path(path) / 'config.json'}: transformers refuses it "
+                              f"while reading the tokenizer ({reason}): write the field as that "
+                              f"type (1.0 for a float, 32 for an integer)")
+  return TokenizerFileError(f"transformers cannot read the tokenizer of {path} "
+                            f"({type(err).__name__}: {err})")
+
+
 class NoChatTemplateError(ValueError):
   """A chat prompt asked of a tokenizer without a chat template; carries its `path`."""
 
@@ -171,7 +200,13 @@ class HFTokenizer:
       raise TokenizerNotFoundError(path)
     with TRANSFORMERS:
       import transformers   # heavy import, only when used
-      tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+      try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+      except Exception as err:     # huggingface_hub's strict config checks raise Exception's
+        if not isinstance(err, (ValueError, TypeError, KeyError, OSError)) and \
+            type(err).__module__.split(".")[0] != "huggingface_hub":
+          raise
+        raise _unreadable(path, err) from err
     if not tok.encode("def f(x):", add_special_tokens=False):
       # Files that name a tokenizer class but hold no vocabulary (a tokenizer_config.json alone)
       raise ValueError(f"the tokenizer files in {path} give a tokenizer of {len(tok)} ids that "
@@ -300,7 +335,17 @@ def same_vocabulary(a, b) -> bool:
 def _generation_config(path: str | os.PathLike) -> dict:
   """The checkpoint's generation_config.json ({} when it has none)."""
   file = pathlib.Path(path) / "generation_config.json"
-  return json.loads(file.read_text()) if file.is_file() else {}
+  if not file.is_file():
+    return {}
+  try:
+    config = json.loads(file.read_text(encoding="utf-8"))
+  except (ValueError, UnicodeDecodeError) as err:
+    raise TokenizerFileError(f"{file} is not valid JSON ({err}): the checkpoint's files are "
+                             f"damaged; re-download or re-export them") from None
+  if not isinstance(config, dict):
+    raise TokenizerFileError(f"{file} holds a JSON {type(config).__name__}, not the object of a "
+                             f"generation_config.json")
+  return config
 
 
 def _first_id(*ids: int | None) -> int:

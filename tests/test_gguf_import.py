@@ -357,6 +357,29 @@ def test_resolve_converts_once_and_loads(written, imported, tmp_path, monkeypatc
   assert resolve.checkpoint_dir(in_dir) == loaded.path
 
 
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_conversion_is_converted_again(written, tmp_path, monkeypatch, caplog, damage):
+  """Probe round 6: a converted directory whose shard was truncated or deleted was refused on
+  every run (it counted as complete while its config.json existed), with advice to re-download."""
+  from specjax.api import gguf_cache
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+  out = gguf_cache.hf_dir(written[2])
+  shard = next(out.glob("*.safetensors"))
+  size = shard.stat().st_size
+  if damage == "truncate":
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+  else:
+    shard.unlink()
+  with caplog.at_level("WARNING", logger=gguf_cache.__name__):
+    assert gguf_cache.hf_dir(written[2]) == out
+  assert f"the converted directory {out} is damaged ({shard.name} missing or of another size)" \
+      in caplog.text
+  assert shard.stat().st_size == size
+  (out / gguf_cache.MANIFEST).unlink()            # an entry from before the list: taken as it is
+  monkeypatch.setattr(gguf_cache, "_convert", lambda *a: pytest.fail("converted again"))
+  assert gguf_cache.hf_dir(written[2]) == out
+
+
 def test_converted_directory_loads_in_transformers(written, tmp_path):
   _, hf_model, path, _, _ = written
   ckpt = gguf_import.GGUFCheckpoint(path)

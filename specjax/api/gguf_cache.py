@@ -10,6 +10,7 @@ and dequantize every tensor with numpy (about a minute per billion weights on 2 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -17,12 +18,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specjax.data import gguf_tokenizer
-from specjax.data.cache import build_lock, cache_dir, settings_key
+from specjax.data.cache import atomic_write_bytes, build_lock, cache_dir, settings_key
 from specjax.models import gguf_import
 
 log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
+MANIFEST = "converted-files.json"    # the files a conversion wrote -> their sizes
 
 
 def hf_dir(gguf_path: Path) -> Path:
@@ -32,12 +34,38 @@ def hf_dir(gguf_path: Path) -> Path:
   key = settings_key({"path": str(path), "size": stat.st_size, "mtime": stat.st_mtime_ns,
                       "v": CONVERTER_VERSION})
   out = cache_dir() / "gguf" / f"{path.stem}-{key}"
-  if (out / "config.json").exists():
+  if _intact(out):
     return out
   with build_lock(f"gguf-{out.name}"):       # another process may be converting it
-    if not (out / "config.json").exists():
+    if not _intact(out, path):
       _convert(path, stat, out)
+      _write_manifest(out)
   return out
+
+
+def _intact(out: Path, source: Path | None = None) -> bool:
+  """Whether a converted directory is complete: its config.json, and every file its conversion
+  listed in MANIFEST at the size it was written (an entry from before the list was kept is taken
+  as it is). With `source`, a damaged entry is logged as being converted again."""
+  if not (out / "config.json").exists():
+    return False
+  try:
+    listed = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    damaged = [name for name, size in listed.items()
+               if not (out / name).is_file() or (out / name).stat().st_size != size]
+  except FileNotFoundError:
+    return True
+  except (ValueError, OSError, AttributeError):
+    damaged = [MANIFEST]
+  if damaged and source is not None:
+    log.warning("the converted directory %s is damaged (%s missing or of another size): "
+                "converting %s again", out, ", ".join(damaged[:3]), source.name)
+  return not damaged
+
+
+def _write_manifest(out: Path) -> None:
+  files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+  atomic_write_bytes(out / MANIFEST, json.dumps(files, indent=1).encode())
 
 
 def _convert(path: Path, stat, out: Path) -> None:

@@ -99,3 +99,14 @@ def test_bfloat16_params_come_back_as_bfloat16(tmp_path):
   with pytest.raises(ValueError, match=r"\['a'\] is float16\(2, 3\), the model expects "):
     param_cache.load(param_cache.save({**params, "a": params["a"].astype("float16")},
                                       tmp_path / "q"), jax.eval_shape(lambda: params))
+
+
+@pytest.mark.parametrize("manifest", ["{}", "[1]", '{"leaves": {"[\'a\']": 3}}'])
+def test_a_manifest_without_leaves_is_refused_as_damaged(tmp_path, manifest):
+  """Probe round 6: leaves.json holding {} raised KeyError 'leaves' from the load, which only
+  ValueError and OSError were caught for (the cache is then ignored and the model loaded)."""
+  params = {"a": jax.numpy.ones((2, 3))}
+  out = param_cache.save(params, tmp_path / "p")
+  (out / param_cache.MANIFEST).write_text(manifest)
+  with pytest.raises(ValueError, match="lists no leaves"):
+    param_cache.load(out, jax.eval_shape(lambda: params))

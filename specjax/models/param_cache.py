@@ -53,8 +53,11 @@ def load(path: Path, like) -> object:
   e.g. from jax.eval_shape), each leaf a read-only memory map handed to the default device;
   ValueError when the files do not match `like` (shape, dtype or leaves)."""
   path = Path(path)
-  names = json.loads((path / MANIFEST).read_text())["leaves"]
+  names = json.loads((path / MANIFEST).read_text())
+  names = names.get("leaves") if isinstance(names, dict) else None
   leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+  if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
+    raise ValueError(f"{path / MANIFEST} lists no leaves")
   if sorted(names) != sorted(jax.tree_util.keystr(k) for k, _ in leaves):
     raise ValueError(f"{path}: the cached params' leaves do not match the model's")
   out = []

@@ -175,7 +175,7 @@ def measure(name: str, batch: int, run: Run, scale: int, workdir: pathlib.Path,
     tau = stats.get("block_efficiency", 1.0)
     record["sd"].append(dict(
         gamma=g, ms_per_token=1e3 * sd_s, speedup=ar_step / sd_s, tau=tau,
-        expected_tau=expected_tau(run.alpha, g), alpha=stats.get("acceptance_rate", 0.0),
+        expected_tau=expected_tau(run.alpha, g), alpha=stats.get("acceptance_rate") or 0.0,
         verify_cost_ratio=v, predicted_speedup=tau / (d1 / t1 * g + v),
         compile_s=timed[("sd", g)][1], warm_s=warm[("sd", g)]))
   record["peak_memory_gb"] = None if (m := peak_memory()) is None else m / 2**30

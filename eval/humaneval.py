@@ -309,7 +309,7 @@ def table(reports: list[dict]) -> str:
   for r in reports:
     same = sum(a["completion"] == b for a, b in zip(r["results"], first))
     st = r["stats"]
-    alpha = f"{st['acceptance_rate']:.3f}" if "acceptance_rate" in st else "-"
+    alpha = f"{st['acceptance_rate']:.3f}" if st.get("acceptance_rate") is not None else "-"
     tau = f"{st['block_efficiency']:.2f}" if "block_efficiency" in st else "-"
     lines.append(f"| {r['method']} | {r['passed']}/{r['completions']} = {r['pass@1']:.3f} | "
                  f"{r['tokens']} | {r['ms_per_token']:.1f} | {alpha} | {tau} | "
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
 
 
 def _sd_stats(stats: dict) -> str:
-  if "acceptance_rate" not in stats:
+  if stats.get("acceptance_rate") is None:
     return ""
   return f"; alpha {stats['acceptance_rate']:.3f}, tau {stats['block_efficiency']:.2f}"
 

@@ -155,7 +155,7 @@ def measure(dec: methods.Speculative, prompts, repeats: int, seed: int, steps: i
   ar, sd, stats = runs["ar"], runs["sd"], runs["sd"]["stats"]
   t1, tv, d1 = (runs.get(name, 0.0) / steps for name in ("t1", f"t{gamma + 1}", "d1"))
   c, v = d1 / t1, tv / t1
-  tau, alpha = stats.get("block_efficiency", 1.0), stats.get("acceptance_rate", 0.0)
+  tau, alpha = stats.get("block_efficiency", 1.0), (stats.get("acceptance_rate") or 0.0)
   per_token = lambda r: 1e3 * r["total_s"] / r["tokens"]
   # After the first token: what the cost model describes (prefill and the first token apart).
   decode = lambda r: 1e3 * (r["total_s"] - r["first_s"]) / max(r["tokens"] - len(prompts), 1)

@@ -120,8 +120,9 @@ def measure_quality(method: methods.Method, prompts: list[str], refs: list[str],
   rows = runner.generate_texts(method, prompts, key, batch_size)
   scores = metrics.evaluate(metric, [text for _, _, text, _ in rows], refs)
   stats = runner.aggregate([st for _, _, _, st in rows])
+  alpha = stats.get("acceptance_rate")
   return {"quality": scores[quality_key], **scores,
-          "alpha": stats.get("acceptance_rate", float("nan")),
+          "alpha": float("nan") if alpha is None else alpha,
           "tau": stats.get("block_efficiency", float("nan")),
           "draft_share": draft_share(stats), "emitted": stats.get("emitted", 0)}
 

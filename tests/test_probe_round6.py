@@ -25,3 +25,19 @@ def test_a_smoke_build_of_the_embedded_pair_is_kept_apart_from_the_full_one(tmp_
     with pytest.raises(ConfigError, match=f"SPECJAX_ZOO_STEP_SCALE='{bad}': the embedded pairs' "
                                           f"training steps are multiplied by it; give a number"):
       zoo.pair_dir("tiny")
+
+
+def test_a_run_that_drafted_but_verified_nothing_reports_alpha_as_none():
+  """Result.stats lacked acceptance_rate when nothing was verified (max_new_tokens=1, or a stop
+  string in the first block): docs/api.md's first example raised KeyError. The target alone has
+  no alpha; the stats line prints none for either."""
+  from specjax.api.results import aggregate
+  from specjax.app import runner
+  drafted = aggregate([{"blocks": 1, "drafted": 4, "accepted": 0, "verified": 0, "emitted": 1,
+                        "target_passes": 1, "draft_passes": 5}])
+  alone = aggregate([{"blocks": 1, "drafted": 0, "accepted": 0, "verified": 0, "emitted": 1,
+                      "target_passes": 1, "draft_passes": 0}])
+  assert drafted["acceptance_rate"] is None and "acceptance_rate" not in alone
+  assert aggregate([{"accepted": 3, "verified": 4, "drafted": 4}])["acceptance_rate"] == 0.75
+  line = runner.summary_line(drafted, {"decode_s": 1.0, "tokens": 1, "compile_s": 0.1}, 0.5)
+  assert "alpha" not in line and "tau 1.00" in line

@@ -39,10 +39,14 @@ def stats_rows(stats, batch: int) -> list[dict]:
 
 
 def aggregate(rows: list[dict]) -> dict:
-  """Summed counters plus acceptance_rate (alpha) and block_efficiency (tau)."""
+  """Summed counters plus acceptance_rate (alpha; None where a draft proposed tokens but none was
+  verified: max_new_tokens=1, or a stop string in the first block; absent for the target alone)
+  and block_efficiency (tau)."""
   total = {f: sum(r.get(f, 0) for r in rows) for f in STAT_FIELDS if any(f in r for r in rows)}
   if total.get("verified"):
     total["acceptance_rate"] = total["accepted"] / total["verified"]
+  elif total.get("drafted") or total.get("draft_passes"):
+    total["acceptance_rate"] = None
   if total.get("blocks"):
     total["block_efficiency"] = total["emitted"] / total["blocks"]
   return total

@@ -211,7 +211,7 @@ def summary_line(stats: dict, times: dict, before_s: float) -> str:
           if stats.get("emitted", tokens) > tokens else "")
   parts = [f"{tokens} tokens{past}, decode {times['decode_s']:.2f}s"
            + (f" ({ms:.1f} ms/token)" if ms else "")]
-  if "acceptance_rate" in stats:
+  if stats.get("acceptance_rate") is not None:
     parts.append(f"alpha {stats['acceptance_rate']:.3f}")
   if "block_efficiency" in stats:
     parts.append(f"tau {stats['block_efficiency']:.2f}")

@@ -41,3 +41,18 @@ def test_a_run_that_drafted_but_verified_nothing_reports_alpha_as_none():
   assert aggregate([{"accepted": 3, "verified": 4, "drafted": 4}])["acceptance_rate"] == 0.75
   line = runner.summary_line(drafted, {"decode_s": 1.0, "tokens": 1, "compile_s": 0.1}, 0.5)
   assert "alpha" not in line and "tau 1.00" in line
+
+
+@pytest.mark.parametrize("flags, confidence", [
+    (["--config.decode.gamma=auto", "--config.decode.draft_confidence=0"], 0.0),   # was 0.7
+    (["--config.decode.gamma=auto", "--config.decode.draft_confidence=0.5"], 0.5),
+    (["--config.decode.gamma=auto"], None),                                       # auto's own
+    (["--config.decode.gamma=5"], 0.0),
+    (["--config.decode.draft_confidence=0.6"], 0.6),
+])
+def test_a_draft_confidence_set_with_gamma_auto_is_kept_even_zero(flags, confidence):
+  from specjax.app import builders
+  from specjax.app.config import load_config
+  settings = builders.decode_settings(load_config("tiny.py", flags))
+  want = builders.auto_blocks("")[1] if confidence is None else confidence
+  assert settings.draft_confidence == want

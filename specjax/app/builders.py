@@ -152,8 +152,10 @@ def decode_settings(config) -> DecodeSettings:
     values["gamma"] = gamma
     # a method named as the rule (slem, slrs, sprinter) drafts in a loop of its own
     own_loop = rule_section(config).get("name", "") in api_methods.names()
-    if not values.get("draft_confidence") and not own_loop:
+    if values.get("draft_confidence") is None and not own_loop:
       values["draft_confidence"] = confidence
+  if values.get("draft_confidence") is None:          # unset: blocks of gamma drafts
+    values["draft_confidence"] = 0.0
   return typed(DecodeSettings, values, "decode")
 
 
@@ -185,7 +187,8 @@ def auto_blocks(target_quant: str) -> tuple[int, float]:
                                              "costs about two steps")
   else:
     (gamma, confidence), why = AUTO_NARROW, "no quantized target on specjax's CPU kernel here"
-  log.info("decode.gamma auto: gamma %d, draft_confidence %s (%s)", gamma, confidence, why)
+  log.info("decode.gamma auto: gamma %d, draft_confidence %s unless one is set (%s)", gamma,
+           confidence, why)
   return gamma, confidence
 
 

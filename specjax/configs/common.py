@@ -47,12 +47,13 @@ def decode(**overrides) -> ml_collections.ConfigDict:
   truncate="left" keeps the end of a prompt too long for the cache ("": refuse it); stop: stop
   strings (`--config.decode.stop="['\\n\\n\\n']"`); stream: print text as it is generated;
   draft_confidence > 0: a block's drafting ends after a draft whose top probability under the
-  draft model is below it (gamma is then the most per block); gamma="auto": chosen for the
-  machine when the config is read (app/builders.auto_blocks: 7, 4 or 3 at most, with a
-  draft_confidence of 0.7 or 0.8)."""
+  draft model is below it (gamma is then the most per block; 0: blocks of gamma drafts);
+  gamma="auto": chosen for the machine when the config is read (app/builders.auto_blocks: 7, 4
+  or 3 at most, with a draft_confidence of 0.7 or 0.8 where none is set)."""
   fields = dict(gamma=4, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, seed=0,
                 max_len=0, batch_size=1, lookbehind=10, chat=False, truncate="", stop=(),
-                stream=True, draft_confidence=0.0)
+                stream=True,
+                draft_confidence=ml_collections.config_dict.placeholder(float))  # None: unset
   fields.update(overrides)
   return ml_collections.ConfigDict(fields)
 

@@ -158,6 +158,8 @@ def main(argv=None) -> int:
     cli.setup()
     cfg = config.load_config(args.config, overrides)
     runner.check_overrides_apply(cfg, overrides)
+    if args.compare:
+      runner.check_compare(cfg)
     if output:
       inputs = {"--input_file": args.input_file, **config.input_paths(args.config, cfg)}
       outputs.check_not_input(output, inputs, "--output_json")

@@ -337,3 +337,10 @@ def test_a_gamma_the_cache_cannot_hold_names_the_largest_gamma():
   message = str(PromptTooLongError("def f(x):", 5, room, keep_at_least=2))
   assert "lower --config.decode.gamma (at most 59 for this prompt)" in message
   assert "longer position table" not in message
+
+
+def test_compare_without_a_draft_is_refused(capsys):
+  """Probe round 6: --compare was ignored without a word when the target decodes alone."""
+  code, err = _main(capsys, "--prompt", "x", "--config.draft.checkpoint=", "--compare")
+  assert code == 2 and "--compare decodes the prompts with the target alone too, and this run " \
+      "decodes with the target alone: give a draft" in err, err

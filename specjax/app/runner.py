@@ -75,6 +75,15 @@ DRAFT_ONLY = ("rule.", "draft.", "decode.gamma=", "decode.lookbehind=")
 TURNS_OFF = ("draft.checkpoint=", "rule.name=")
 
 
+def check_compare(config) -> None:
+  """Refuse --compare where the target decodes alone: there is nothing to compare it with (the
+  flag was ignored without a word)."""
+  if methods.method_name(config) == "autoregressive":
+    raise ConfigError("--compare decodes the prompts with the target alone too, and this run "
+                      "decodes with the target alone: give a draft (--config.draft.checkpoint="
+                      "PATH) and a rule, or drop --compare")
+
+
 def check_overrides_apply(config, overrides) -> None:
   """Refuse the user's own overrides that the configured method would ignore (rule.*, draft.*,
   decode.gamma, decode.lookbehind when the target decodes alone): a run that silently drops

@@ -76,10 +76,10 @@ def test_a_config_file_by_path(tmp_path):
 
 
 @pytest.mark.parametrize("section, values, message", [
-    ("decode", {"gamma": "abc"}, "decode.gamma='abc' is not a int"),
+    ("decode", {"gamma": "abc"}, "decode.gamma='abc' is not a whole number"),
     ("decode", {"gama": 3}, "unknown field.*gama.*known fields: batch_size"),
-    ("decode", {"temperature": "hot"}, "decode.temperature='hot' is not a float"),
-    ("rule", {"name": "lenient", "eps": "x"}, "rule.eps='x' is not a float"),
+    ("decode", {"temperature": "hot"}, "decode.temperature='hot' is not a number"),
+    ("rule", {"name": "lenient", "eps": "x"}, "rule.eps='x' is not a number"),
     ("rule", {"name": "lenient", "epsilon": 0.1}, "unknown field.*epsilon.*known fields: eps"),
     ("target", {"checkpoint": "x", "d_model": 3}, "need arch=decoder or arch=t5"),
 ])

@@ -232,6 +232,20 @@ def test_gcc_alone_is_given_its_vectorizer_cost_model():
 
 
 @needs_compiler
+def test_a_march_the_compiler_refuses_is_named_with_its_error(monkeypatch, tmp_path, caplog,
+                                                              fresh_status):
+  """Probe round 6: the advice was to install g++, and the compiler's error was cut at its
+  start ("rguments to '-march=' switch are: ...")."""
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  monkeypatch.setenv(cpu_kernels.MARCH_ENV, "banana")
+  with caplog.at_level(logging.WARNING, logger="specjax.models.cpu_kernels"):
+    assert not cpu_kernels.status().active
+  assert "banana" in cpu_kernels.status().why and "error" in cpu_kernels.status().why
+  assert "check $SPECJAX_KERNEL_MARCH='banana' (a -march value this compiler takes), or unset " \
+      "it" in caplog.text
+
+
+@needs_compiler
 def test_a_compile_error_is_reported_and_nothing_is_kept(monkeypatch, tmp_path):
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
   with pytest.raises(RuntimeError, match="exited with"):

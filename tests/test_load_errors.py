@@ -365,3 +365,11 @@ def test_damaged_tokenizer_files_are_named(dirs, tmp_path, file, content, messag
   with pytest.raises(tk.TokenizerFileError) as err:
     tk.get_tokenizer(str(path))
   assert str(err.value).startswith(str(path / file)) and message in str(err.value), err.value
+
+
+def test_heads_that_do_not_group_name_the_config_file(dirs, tmp_path):
+  """Probe round 6: the model's own ValueError named neither the checkpoint nor its file."""
+  path = _copy(dirs["qwen2"], tmp_path / "ckpt", num_key_value_heads=3)
+  with pytest.raises(ValueError, match=re.escape(f"{path / 'config.json'}: num_heads 4 is not a "
+                                                 f"multiple of num_kv_heads 3")):
+    hf_import.load_model(str(path))

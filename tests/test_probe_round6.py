@@ -56,3 +56,15 @@ def test_a_draft_confidence_set_with_gamma_auto_is_kept_even_zero(flags, confide
   settings = builders.decode_settings(load_config("tiny.py", flags))
   want = builders.auto_blocks("")[1] if confidence is None else confidence
   assert settings.draft_confidence == want
+
+
+def test_one_stop_text_and_types_in_words():
+  """--config.decode.stop=abc was refused ("holds a tuple"), while --config.decode.stop="[5]" was
+  told the field takes `tuple[str, ...] | str`; max_depth=abc "is not a int"."""
+  from specjax.app import builders
+  from specjax.app.config import load_config
+  assert builders.decode_settings(load_config("tiny.py", ["--config.decode.stop=abc"])).stop \
+      == ("abc",)
+  with pytest.raises(ConfigError, match=r"decode.stop=\(5,\) is not a list of texts or a text$"):
+    builders.decode_settings(load_config("tiny.py", ["--config.decode.stop=[5]"]))
+  assert builders._name(int) == "a whole number" and builders._name(float | None) == "a number"

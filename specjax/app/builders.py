@@ -63,7 +63,7 @@ def coerce(value, hint, where: str):
           return coerce(value, option, where)
         except ConfigError:
           continue
-    raise ConfigError(f"--config.{where}={value!r} is not a {_name(hint)}")
+    raise ConfigError(f"--config.{where}={value!r} is not {_name(hint)}")
   if origin is tuple and isinstance(value, (list, tuple)):
     args = typing.get_args(hint)
     inner = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
@@ -71,16 +71,16 @@ def coerce(value, hint, where: str):
       raise ConfigError(f"--config.{where}={value!r} needs {len(inner)} values")
     return tuple(coerce(v, h, where) for v, h in zip(value, inner))
   if origin is not None and not isinstance(value, origin):
-    raise ConfigError(f"--config.{where}={value!r} is not a {_name(hint)}")
+    raise ConfigError(f"--config.{where}={value!r} is not {_name(hint)}")
   convert = _SCALARS.get(hint)
   if convert is None:
     if isinstance(hint, type) and not isinstance(value, hint):
-      raise ConfigError(f"--config.{where}={value!r} is not a {_name(hint)}")
+      raise ConfigError(f"--config.{where}={value!r} is not {_name(hint)}")
     return value
   try:
     return convert(value)
   except (TypeError, ValueError):
-    raise ConfigError(f"--config.{where}={value!r} is not a {_name(hint)}") from None
+    raise ConfigError(f"--config.{where}={value!r} is not {_name(hint)}") from None
 
 
 def _to_int(v) -> int:
@@ -114,7 +114,19 @@ def _to_str(v) -> str:
 _SCALARS = {int: _to_int, float: _to_float, bool: _to_bool, str: _to_str}
 
 
+_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a text"}
+
+
 def _name(hint) -> str:
+  """A type annotation in words: int -> "a whole number", tuple[str, ...] | str -> "a list of
+  texts (a text)"."""
+  if hint in _WORDS:
+    return _WORDS[hint]
+  args = [a for a in typing.get_args(hint) if a is not type(None)]
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    return " or ".join(_name(a) for a in args)
+  if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+    return f"a list of {_name(args[0]).removeprefix('a ')}s"
   return getattr(hint, "__name__", str(hint))
 
 

@@ -173,6 +173,8 @@ def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
       node[leaf] = raw
     return
   value = _typed(raw, old, key)
+  if isinstance(old, (list, tuple)) and isinstance(value, str):
+    value = (value,)             # one text for a list of texts (decode.stop=TEXT)
   try:
     node[leaf] = value
   except (TypeError, ValueError) as err:

@@ -25,7 +25,8 @@ def checkpoint_dir(spec: builders.ModelSpec) -> Path:
     return loading.checkpoint_dir(spec.checkpoint)
   except hf_import.CheckpointNotFoundError as err:
     raise hf_import.CheckpointNotFoundError(
-        f"{err} Then pass --config.{spec.role}.checkpoint=DIR.", err.name) from err
+        f"{str(err).rstrip('.')}. Then pass --config.{spec.role}.checkpoint=DIR.", err.name
+    ) from err
 
 
 def tokenizer_location(name: str) -> str:

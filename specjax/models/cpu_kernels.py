@@ -171,9 +171,12 @@ def _decided() -> Status:
     if pinned == "specjax":
       raise RuntimeError(f"${ENV}=specjax, but specjax's int8 CPU kernel could not be built: "
                          f"{err}") from None
+    march = os.environ.get(MARCH_ENV, "").strip()
+    fix = (f"check ${MARCH_ENV}={march!r} (a -march value this compiler takes), or unset it"
+           if march else "install a C++ compiler (g++) or set $CXX")
     log.warning("int8 products use XLA's kernel, about 2x slower here, and int4 layers are "
-                "dequantized in every step: specjax's CPU kernels could not be built (%s); "
-                "install a C++ compiler (g++) or set $CXX", err)
+                "dequantized in every step: specjax's CPU kernels could not be built (%s); %s",
+                err, fix)
     return Status(False, f"specjax's kernel could not be built: {err}")
   return Status(True, "built", isa, _REGISTERED[PREFIX][1])
 
@@ -242,8 +245,9 @@ def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
   done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
   if done.returncode != 0:
     tmp.unlink(missing_ok=True)
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
     raise RuntimeError(f"{Path(compiler).name} exited with {done.returncode}: "
-                       f"{done.stderr.strip()[-600:]}")
+                       f"{' '.join(errors[:3]) if errors else done.stderr.strip()[-600:]}")
   os.replace(tmp, library)
 
 

@@ -225,6 +225,10 @@ def _model_from_config(mod, hf_config: dict, dtype: str, file: Path):
   except TypeError as err:          # e.g. a null or a string where a size belongs
     raise ValueError(f"{file} (model_type '{hf_config.get('model_type')}') has a field of the "
                      f"wrong type: {err}") from None
+  except ValueError as err:         # sizes that do not fit together (heads that do not group)
+    if str(file) in str(err):
+      raise
+    raise ValueError(f"{file}: {err}") from None
 
 
 def save_model(model, params, out_dir: str) -> Path:

@@ -1,4 +1,8 @@
-"""Probe round 6: the embedded pair's smoke builds kept apart from full ones, ..."""
+"""Probe round 6: the embedded pair's smoke builds kept apart from full ones, alpha when nothing
+was verified, draft_confidence=0 with gamma auto, one stop text and types named in words. (This
+round's other cases sit with their subjects: test_exactness and test_cross_family for a draft of
+another width, test_load_errors for quantized checkpoints and damaged tokenizer files,
+test_gguf_import, test_param_cache, test_decode_inputs, test_api and test_cpu_kernels.)"""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from specjax.data.cache import atomic_write_bytes, cache_dir, settings_key
+from specjax.models.hf_import import read_json_object
 from specjax.models.transformers_lock import TRANSFORMERS
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,9 @@ def _unreadable(path, err: Exception) -> TokenizerFileError:
     file = pathlib.Path(path) / name
     try:
       if file.is_file():
-        json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as bad:
-      return TokenizerFileError(f"{file} is not valid JSON ({bad}): the checkpoint's files are "
-                                f"damaged; re-download or re-export them")
+        read_json_object(file, name)
+    except ValueError as bad:
+      return TokenizerFileError(str(bad))
   if type(err).__module__.split(".")[0] == "huggingface_hub":   # a strict config check
     reason = str(err).strip().splitlines()[-1].strip()
     return TokenizerFileError(f"{pathlib.Path(path) / 'config.json'}: transformers refuses it "
@@ -337,15 +337,7 @@ def _generation_config(path: str | os.PathLike) -> dict:
   file = pathlib.Path(path) / "generation_config.json"
   if not file.is_file():
     return {}
-  try:
-    config = json.loads(file.read_text(encoding="utf-8"))
-  except (ValueError, UnicodeDecodeError) as err:
-    raise TokenizerFileError(f"{file} is not valid JSON ({err}): the checkpoint's files are "
-                             f"damaged; re-download or re-export them") from None
-  if not isinstance(config, dict):
-    raise TokenizerFileError(f"{file} holds a JSON {type(config).__name__}, not the object of a "
-                             f"generation_config.json")
-  return config
+  return read_json_object(file, "a generation_config.json")
 
 
 def _first_id(*ids: int | None) -> int:

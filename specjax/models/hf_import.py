@@ -162,14 +162,20 @@ def default_precision(dtype: str) -> str:
 
 def read_config(file: Path) -> dict:
   """config.json as a dict; a file that is not a JSON object is refused by name."""
+  return read_json_object(file, "a Hugging Face config.json")
+
+
+def read_json_object(file: Path, what: str) -> dict:
+  """A checkpoint's JSON file as a dict; CorruptCheckpointError naming the file when it is not
+  JSON or not an object (`what`: the object it should hold, "a generation_config.json")."""
   try:
     config = json.loads(Path(file).read_text(encoding="utf-8"))
   except (ValueError, UnicodeDecodeError) as err:      # JSONDecodeError is a ValueError
-    raise CorruptCheckpointError(f"{file} is not valid JSON ({err}): the checkpoint's config is "
-                                 f"damaged; re-download or re-export it") from None
+    raise CorruptCheckpointError(f"{file} is not valid JSON ({err}): the checkpoint's files are "
+                                 f"damaged; re-download or re-export them") from None
   if not isinstance(config, dict):
     raise CorruptCheckpointError(f"{file} holds a JSON {type(config).__name__}, not the object "
-                                 f"of a Hugging Face config.json")
+                                 f"of {what}")
   return config
 
 

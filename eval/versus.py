@@ -193,6 +193,12 @@ def main(argv=None) -> int:
     md = flags.output_file(args.output_md, "--output_md")
     cli.setup()
     config = load_config(args.config, overrides)
+    if out and md and os.path.abspath(out) == os.path.abspath(md):
+      raise ConfigError(f"--output_json and --output_md are both {out}: the table would replace "
+                        f"the records; name two files")
+    inputs = {"--humaneval": args.humaneval, **input_paths(args.config, config)}
+    for path, flag in ((out, "--output_json"), (md, "--output_md")):
+      outputs.check_not_input(path, inputs, flag)
     prompts = prompts_for(config, args)
     peer = llamacpp.Setup.of(args.llama_cpp, config) if args.llama_cpp else None
     decoders = build(args.config, overrides, items)

@@ -284,3 +284,19 @@ def test_versus_reads_a_training_workdir_as_the_configs_draft_fine_tuned(tmp_pat
   assert versus.draft_overrides(str(tmp_path), named) == \
       [f"--config.draft.checkpoint={tmp_path}", "--config.draft.tokenizer="]
   assert versus.draft_overrides("", config) == []
+
+
+def test_versus_never_replaces_its_inputs_or_one_output_by_the_other(tmp_path, capsys):
+  """Probe round 7: --output_md over the config file replaced it with a table (the other eval
+  tools refused), and --output_json and --output_md naming one file lost the records."""
+  from eval import versus
+  from specjax import configs
+  config = tmp_path / "mytiny.py"
+  config.write_text((Path(configs.__file__).parent / "tiny.py").read_text())
+  kept = config.read_text()
+  for flags in (["--output_md", str(config)], ["--output_json", str(config)],
+                ["--output_json", str(tmp_path / "x"), "--output_md", str(tmp_path / "x")]):
+    code = versus.main(["--config", str(config), "--methods", "target", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and ("would overwrite --config" in err or "both" in err), err
+  assert config.read_text() == kept and not (tmp_path / "x").exists()

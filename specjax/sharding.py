@@ -33,12 +33,18 @@ so every device holds its rows ('data') and its KV heads ('model') of every laye
 
 from __future__ import annotations
 
+import logging
 import math
+import socket
+import threading
+import time
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "model")
 
@@ -319,8 +325,48 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     pass
   kwargs = {k: v for k, v in dict(coordinator_address=coordinator, num_processes=num_processes,
                                   process_id=process_id).items() if v is not None}
+  if coordinator and process_id:
+    _reach(coordinator, num_processes, process_id)
+  if coordinator:
+    log.info("joining %s processes through the coordinator %s as process %s (each process waits "
+             "for all of them, up to %d s)", num_processes, coordinator, process_id,
+             JOIN_TIMEOUT_S)
+  waiting = threading.Event()
+  threading.Thread(target=_still_waiting, args=(waiting, coordinator, num_processes),
+                   daemon=True).start()
   try:
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(**kwargs, initialization_timeout=JOIN_TIMEOUT_S)
   except (ValueError, RuntimeError) as err:       # RuntimeError: XlaRuntimeError (connection)
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     raise DistributedSetupError(coordinator, num_processes, process_id, reason) from err
+  finally:
+    waiting.set()
+
+
+JOIN_TIMEOUT_S = 300        # jax.distributed.initialize's own default
+
+
+def _reach(coordinator: str, num_processes, process_id) -> None:
+  """DistributedSetupError when nothing answers at the coordinator's address within
+  JOIN_TIMEOUT_S (JAX would wait as long in silence, then abort the process)."""
+  host, _, port = coordinator.rpartition(":")
+  deadline = time.monotonic() + JOIN_TIMEOUT_S
+  while True:
+    try:
+      socket.create_connection((host, int(port)), timeout=5).close()
+      return
+    except (OSError, ValueError) as err:
+      if isinstance(err, (ValueError, socket.gaierror)) or time.monotonic() > deadline:
+        raise DistributedSetupError(coordinator, num_processes, process_id,
+                                    f"nothing answered at {coordinator} ({err}); start process "
+                                    f"0 there first") from None
+      time.sleep(1)
+
+
+def _still_waiting(done: threading.Event, coordinator, num_processes) -> None:
+  """Says every 30 s that joining the other processes goes on (it is silent otherwise)."""
+  start = time.monotonic()
+  while not done.wait(30):
+    log.warning("still waiting after %.0f s for the %s processes of %s to join: start each "
+                "with the same coordinator and num_processes (process_id 0 .. N-1)",
+                time.monotonic() - start, num_processes, coordinator)

@@ -72,3 +72,28 @@ def test_one_stop_text_and_types_in_words():
   with pytest.raises(ConfigError, match=r"decode.stop=\(5,\) is not a list of texts or a text$"):
     builders.decode_settings(load_config("tiny.py", ["--config.decode.stop=[5]"]))
   assert builders._name(int) == "a whole number" and builders._name(float | None) == "a number"
+
+
+def test_a_coordinator_that_nothing_answers_at_is_named_within_the_join_timeout(monkeypatch,
+                                                                                 caplog):
+  """Probe round 7: a process > 0 whose coordinator is absent waited 300 s in silence and was
+  then aborted by JAX (a C++ stack); a bad address too."""
+  import socket
+  import time
+  from specjax import sharding
+  monkeypatch.setattr(sharding, "JOIN_TIMEOUT_S", 2)
+  with socket.socket() as free:
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]                       # closed again: nothing listens there
+  start = time.monotonic()
+  with pytest.raises(sharding.DistributedSetupError, match=f"nothing answered at "
+                     f"127.0.0.1:{port} .*start process 0 there first"):
+    sharding._reach(f"127.0.0.1:{port}", 2, 1)
+  assert time.monotonic() - start < 10
+  with pytest.raises(sharding.DistributedSetupError, match="nothing answered at nohost:abc"):
+    sharding._reach("nohost:abc", 2, 1)
+  done = sharding.threading.Event()
+  monkeypatch.setattr(done, "wait", lambda s: done.is_set() or done.set())
+  with caplog.at_level("WARNING", logger="specjax.sharding"):
+    sharding._still_waiting(done, "h:1", 2)
+  assert "still waiting after" in caplog.text and "for the 2 processes of h:1" in caplog.text

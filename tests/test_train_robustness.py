@@ -74,20 +74,21 @@ def test_divergence_stops_before_saving_and_keeps_the_good_checkpoints(tmp_path)
   assert not (tmp_path / "params").exists()
 
 
-def test_ctrl_c_saves_the_current_step_and_a_resume_repeats_no_step(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])   # SIGTERM: schedulers' stop
+def test_ctrl_c_saves_the_current_step_and_a_resume_repeats_no_step(tmp_path, sig):
   tr, params = pretrainer(tmp_path, steps=6, checkpoint_every=100)
   # SIG_IGN where the test process was started in the background by a non-interactive shell
-  before = signal.getsignal(signal.SIGINT)
+  before = signal.getsignal(sig)
 
   def interrupt(step, state):
     if step == 2:
-      os.kill(os.getpid(), signal.SIGINT)
+      os.kill(os.getpid(), sig)
 
   with pytest.raises(trainer.TrainingInterrupted) as err:
     tr.run(params, on_step=interrupt)
   assert err.value.step == 2 and saved_steps(tmp_path)[-1] == 2
   assert "run the same command again to resume" in str(err.value)
-  assert signal.getsignal(signal.SIGINT) is before                      # handler restored
+  assert signal.getsignal(sig) is before                                # handler restored
   # A killed run may have logged steps past its last checkpoint, the last line half written.
   with (tmp_path / "metrics.jsonl").open("a") as f:
     f.write('{"step": 3, "loss": 9.0}\n{"step": 4, "lo')

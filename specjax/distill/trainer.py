@@ -150,9 +150,10 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class StopRequest:
-  """Ctrl-C while `installed`: the first SIGINT asks the loop to stop after the current step
-  (which then saves a checkpoint); a second one interrupts at once, as Python would. Installed
-  only in the main thread (the only one that receives signals)."""
+  """Ctrl-C or SIGTERM (what schedulers and preemption send) while `installed`: the first asks
+  the loop to stop after the current step (which then saves a checkpoint); a second one
+  interrupts at once, as Python would. Installed only in the main thread (the only one that
+  receives signals)."""
 
   def __init__(self):
     self.requested = False
@@ -162,19 +163,21 @@ class StopRequest:
     if threading.current_thread() is not threading.main_thread():
       yield self
       return
-    previous = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, self._handle)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+      signal.signal(sig, self._handle)
     try:
       yield self
     finally:
-      signal.signal(signal.SIGINT, previous)
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
   def _handle(self, signum, frame) -> None:
     if self.requested:
       raise KeyboardInterrupt
     self.requested = True
-    log.warning("interrupted: stopping after this step and saving a checkpoint (Ctrl-C again to "
-                "stop at once, without saving)")
+    log.warning("interrupted (%s): stopping after this step and saving a checkpoint (again to "
+                "stop at once, without saving)", signal.Signals(signum).name)
 
 
 def check_vocab(student, teacher) -> None:

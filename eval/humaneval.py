@@ -119,31 +119,32 @@ def problems_file(path: str | None) -> Path:
   return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
 
 
-def load_problems(path: Path, limit: int = 0, offset: int = 0) -> list[dict]:
+def load_problems(path: Path, limit: int = 0, offset: int = 0,
+                  flag: str = "--problems") -> list[dict]:
   """The problems of a JSON-lines file (.gz allowed): `limit` of them (0: all) after the first
-  `offset`; a file that is not one is refused with the reason."""
+  `offset`; a file that is not one is refused with the reason (naming it by `flag`)."""
   opener = gzip.open if path.suffix == ".gz" else open
   try:
     with opener(path, "rt", encoding="utf-8") as f:
-      rows = [_json_line(path, n, line) for n, line in enumerate(f, 1) if line.strip()]
+      rows = [_json_line(path, n, line, flag) for n, line in enumerate(f, 1) if line.strip()]
   except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as err:
-    raise ConfigError(f"--problems {path} is not a JSON-lines problems file (one JSON object "
+    raise ConfigError(f"{flag} {path} is not a JSON-lines problems file (one JSON object "
                       f"per line with task_id, prompt, test, entry_point; .gz allowed): "
                       f"{err}") from None
   except FileNotFoundError:
-    raise ConfigError(f"--problems {path} does not exist: give a JSON-lines problems file") \
+    raise ConfigError(f"{flag} {path} does not exist: give a JSON-lines problems file") \
         from None
   except OSError as err:
     what = "is a directory" if path.is_dir() else f"cannot be read ({err.strerror})"
-    raise ConfigError(f"--problems {path} {what}: give a JSON-lines problems file") from None
+    raise ConfigError(f"{flag} {path} {what}: give a JSON-lines problems file") from None
   if not rows:
-    raise ConfigError(f"--problems {path} holds no problem: give a JSON-lines problems file")
+    raise ConfigError(f"{flag} {path} holds no problem: give a JSON-lines problems file")
   for i, row in enumerate(rows):
-    _check_problem(path, i, row)
+    _check_problem(path, i, row, flag)
   ids = [r["task_id"] for r in rows]
   twice = sorted({t for t in ids if ids.count(t) > 1})
   if twice:
-    raise ConfigError(f"--problems {path} holds task_id {twice[0]!r} more than once "
+    raise ConfigError(f"{flag} {path} holds task_id {twice[0]!r} more than once "
                       f"({len(twice)} such ids): each problem once (--samples N repeats them)")
   rows = rows[offset:]
   if not rows:
@@ -154,19 +155,19 @@ def load_problems(path: Path, limit: int = 0, offset: int = 0) -> list[dict]:
 PROBLEM_KEYS = ("task_id", "prompt", "test", "entry_point")
 
 
-def _json_line(path: Path, n: int, line: str):
+def _json_line(path: Path, n: int, line: str, flag: str):
   try:
     return json.loads(line)
   except json.JSONDecodeError as err:
-    raise ConfigError(f"--problems {path} is not a JSON-lines problems file (one JSON object per "
+    raise ConfigError(f"{flag} {path} is not a JSON-lines problems file (one JSON object per "
                       f"line with {', '.join(PROBLEM_KEYS)}; .gz allowed): line {n}: "
                       f"{err.msg} (column {err.colno})") from None
 
 
-def _check_problem(path: Path, i: int, row) -> None:
+def _check_problem(path: Path, i: int, row, flag: str) -> None:
   """ConfigError naming the problem (its line among the problems) that is not an object of
   texts task_id, prompt, test, entry_point, or that a program file cannot hold (not UTF-8)."""
-  where = f"--problems {path}: problem {i + 1}"
+  where = f"{flag} {path}: problem {i + 1}"
   if not isinstance(row, dict):
     raise ConfigError(f"{where} is not a JSON object with {', '.join(PROBLEM_KEYS)}")
   for key in PROBLEM_KEYS:

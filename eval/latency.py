@@ -85,7 +85,8 @@ def prompts_for(config, args) -> list[str]:
   """The prompts to time: the first num_prompts of HumanEval (--humaneval) or of the config."""
   if args.humaneval is not None:
     from eval import humaneval
-    problems = humaneval.load_problems(humaneval.problems_file(args.humaneval), args.num_prompts)
+    problems = humaneval.load_problems(humaneval.problems_file(args.humaneval), args.num_prompts,
+                                       flag="--humaneval")
     return [p["prompt"] for p in problems]
   return runner.eval_prompts(config, args.num_prompts)
 

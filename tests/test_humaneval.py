@@ -318,6 +318,8 @@ def test_a_damaged_line_is_named_and_write_prompts_never_replaces_the_problems(p
   path.write_text(problems.read_text().splitlines()[0] + "\n{nope\n")
   with pytest.raises(ConfigError, match=r"line 2: Expecting property name"):
     humaneval.load_problems(path)
+  with pytest.raises(ConfigError, match=r"^--humaneval .*line 2"):   # eval.versus / latency's flag
+    humaneval.load_problems(path, flag="--humaneval")
   kept = problems.read_text()
   assert humaneval.main(["--problems", str(problems), "--write_prompts", str(problems)]) == 2
   assert "would overwrite --problems" in capsys.readouterr().err and problems.read_text() == kept

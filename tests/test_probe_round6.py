@@ -97,3 +97,14 @@ def test_a_coordinator_that_nothing_answers_at_is_named_within_the_join_timeout(
   with caplog.at_level("WARNING", logger="specjax.sharding"):
     sharding._still_waiting(done, "h:1", 2)
   assert "still waiting after" in caplog.text and "for the 2 processes of h:1" in caplog.text
+
+
+def test_a_negative_process_id_is_refused_not_taken_as_unset():
+  """Probe round 7: distributed.process_id=-3 was reported as "process_id (not set)"."""
+  from specjax.app import builders
+  from specjax.app.config import load_config
+  config = load_config("distill_tiny.py", ["--config.distributed.enabled=true",
+                                           "--config.distributed.process_id=-3"])
+  with pytest.raises(ConfigError, match=r"--config.distributed: num_processes=0, process_id=-3: "
+                                        r"use num_processes >= 1 and process_id 0 \.\."):
+    builders.join_processes(config)

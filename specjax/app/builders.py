@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import jax
 
 from specjax import checkpoint as ckpt_lib
+from specjax import sharding
 from specjax.acceptance import registry
 from specjax.api.loading import DTYPES
 from specjax.api import methods as api_methods
@@ -316,6 +317,32 @@ def with_init_from(spec: ModelSpec, params):
     return ckpt_lib.load_params(spec.init_from, params)
   except ValueError as err:
     raise ConfigError(f"--config.{spec.role}.init_from={spec.init_from}: {err}") from None
+
+
+# ------------------------------------------------------------------------------ multi-process
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+  """The `distributed` section: jax.distributed.initialize before anything runs (multi-host)."""
+  enabled: bool = False
+  coordinator: str = ""          # host:port of process 0; "" where JAX finds it (TPU pods)
+  num_processes: int = 0         # 0: found by JAX
+  process_id: int = -1           # -1: found by JAX
+
+  def __post_init__(self):
+    if self.num_processes < 0 or self.process_id < -1:
+      raise ValueError(f"num_processes={self.num_processes}, process_id={self.process_id}: "
+                       f"use num_processes >= 1 and process_id 0 .. num_processes - 1 (0 and "
+                       f"-1 leave them to JAX's cluster detection)")
+
+
+def join_processes(config) -> None:
+  """jax.distributed.initialize with the `distributed` section, where it is enabled (before
+  anything runs on a device)."""
+  dist = typed(DistributedSettings, section(config, "distributed"), "distributed")
+  if dist.enabled:
+    sharding.initialize_distributed(dist.coordinator or None, dist.num_processes or None,
+                                    dist.process_id if dist.process_id >= 0 else None)
 
 
 # ----------------------------------------------------------------------------------- training

@@ -53,23 +53,10 @@ class MeshSettings:
   model: int = 1                 # heads (KV heads when they divide), mlp and vocab split this way
 
 
-@dataclasses.dataclass(frozen=True)
-class DistributedSettings:
-  """The `distributed` section: jax.distributed.initialize before anything runs (multi-host)."""
-  enabled: bool = False
-  coordinator: str = ""          # host:port of process 0; "" where JAX finds it (TPU pods)
-  num_processes: int = 0         # 0: found by JAX
-  process_id: int = -1           # -1: found by JAX
-
-
 def mesh_from_config(config):
   """The decoding mesh of the `mesh` section (None: one device), after jax.distributed joins
   the other processes when `distributed.enabled` (before anything runs on a device)."""
-  dist = builders.typed(DistributedSettings, builders.section(config, "distributed"),
-                        "distributed")
-  if dist.enabled:
-    sharding.initialize_distributed(dist.coordinator or None, dist.num_processes or None,
-                                    dist.process_id if dist.process_id >= 0 else None)
+  builders.join_processes(config)
   spec = builders.typed(MeshSettings, builders.section(config, "mesh"), "mesh")
   if (spec.data, spec.model) == (1, 1):
     return None

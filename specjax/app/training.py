@@ -49,12 +49,7 @@ def run(config, workdir: str, pretrain: bool = False, inputs: dict | None = None
   if (workdir / VERIFIER_FILE).exists():
     raise ConfigError(f"--workdir {workdir} holds a SPRINTER verifier ({VERIFIER_FILE}): a "
                       f"training run there would replace its params/; choose another workdir")
-  dist = builders.section(config, "distributed")
-  if dist.get("enabled"):
-    pid = dist.get("process_id", -1)
-    sharding.initialize_distributed(dist.get("coordinator") or None,
-                                    dist.get("num_processes") or None,
-                                    pid if pid is not None and pid >= 0 else None)
+  builders.join_processes(config)
   with _lock(workdir):
     check_run_record(workdir, run_record(config, pretrain))
     return _train(config, workdir, pretrain)

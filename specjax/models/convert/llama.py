@@ -149,12 +149,18 @@ def _read(tensors: Mapping[str, np.ndarray], name: str, path: tuple[str, ...],
   return (tensor.T if transpose else tensor).astype(dtype)
 
 
-def hf_shapes(model: Llama) -> dict[str, tuple[int, ...]]:
+def float_param_shapes(model: Llama):
+  """The model's params as float ShapeDtypeStructs, layers stacked [L, ...] (no params built)."""
+  return quant.float_shapes(jax.eval_shape(layers.with_scan(model).init_params,
+                                           jax.random.PRNGKey(0)), model.config.quant)
+
+
+def hf_shapes(model: Llama, shapes=None) -> dict[str, tuple[int, ...]]:
   """Every HF tensor name the model reads (per layer: model.layers.0 .. L-1) -> the shape its
-  config implies, in HF's layout (Linear weights [out, in])."""
+  config implies, in HF's layout (Linear weights [out, in]). shapes: float_param_shapes(model),
+  when the caller has them."""
   cfg = model.config
-  shapes = quant.float_shapes(jax.eval_shape(layers.with_scan(model).init_params,
-                                             jax.random.PRNGKey(0)), cfg.quant)
+  shapes = float_param_shapes(model) if shapes is None else shapes
   out = {}
   for name, path in _hf_names(model).items():
     shape = tree_get(shapes, path).shape
@@ -172,15 +178,14 @@ def params_from_hf(model: Llama, tensors: Mapping[str, np.ndarray]) -> Params:
   scan_layers=False); an int8 model's kernels are quantized as they are read (quant.put). Extra
   tensors are ignored."""
   cfg = model.config
-  shapes = quant.float_shapes(jax.eval_shape(layers.with_scan(model).init_params,
-                                             jax.random.PRNGKey(0)), cfg.quant)
+  shapes = float_param_shapes(model)
   dtype = model.dtype
   names = _hf_names(model)
   # Files' headers give dtypes and shapes without a read; an in-memory mapping's arrays are
   # checked as they are read (_read), so each tensor is still read once.
   check = hf_tensors.check_tensors if hasattr(tensors, "header") else (
       lambda tensors, expected, *why: hf_tensors.check_names(tensors, list(expected), *why))
-  check(tensors, hf_shapes(model), "Llama-family",
+  check(tensors, hf_shapes(model, shapes), "Llama-family",
         f"does its config.json (num_hidden_layers={cfg.num_layers}, "
         f"tie_word_embeddings={cfg.tie_word_embeddings}) match the weights?")
   if not cfg.scan_layers:

@@ -24,7 +24,9 @@ import jax.numpy as jnp
 from eval import flags
 from specjax.app import cli, methods, outputs, runner
 from specjax.app.config import input_paths, load_config
+from specjax import sampling
 from specjax.data import stdlib_corpus
+from specjax.data import tokenizer as tokenizer_lib
 from specjax.decoding.state import position_limit
 
 
@@ -78,7 +80,8 @@ def teacher_forced(base, variant, num_texts: int, length: int) -> dict:
     logits = [m.target.model.extend_entries(m.target.params, tokens,
                                             m.target.model.init_cache(1, length))[0][0]
               for m in (base, variant)]
-    kl, same = _kl(*logits)
+    width = min(x.shape[-1] for x in logits)     # one tokenizer, rows padded to other counts
+    kl, same = _kl(*(sampling.fit_width(x, width) for x in logits))
     kls += [float(x) for x in kl]
     agree += [bool(x) for x in same]
   return {"texts": len(texts), "positions": len(kls), "kl_mean": statistics.fmean(kls),
@@ -96,6 +99,17 @@ def check_variant(variant_flags: list[str]) -> None:
     raise ValueError(f"--variant {' '.join(elsewhere)}: the variant is the target decoding "
                      f"alone with other --config.target.* settings (quant, dtype, layout, ...); "
                      f"other flags change nothing here")
+
+
+def check_comparable(base, variant) -> None:
+  """Refuse, before decoding, a variant whose tokenizer is not the target's (another model
+  family): its ids mean other texts, so its greedy tokens and next-token distributions cannot be
+  set against the target's (the KL failed on a shape error after both had decoded)."""
+  a, b = base.target.tokenizer, variant.target.tokenizer
+  if not tokenizer_lib.same_vocabulary(a, b):
+    raise ValueError(f"--variant: the variant's tokenizer ({b.path}) is not the target's "
+                     f"({a.path}), so their ids cannot be compared: a variant is the target "
+                     f"with other settings, or a checkpoint with the target's tokenizer")
 
 
 def check_length(base, length: int) -> None:
@@ -121,6 +135,7 @@ def main(argv=None) -> int:
     base = methods.autoregressive(config).with_settings(temperature=0.0)
     check_length(base, args.text_tokens)
     variant = methods.autoregressive(variant_config).with_settings(temperature=0.0)
+    check_comparable(base, variant)
     prompts = runner.eval_prompts(config, args.num_prompts)
     report = {"variant": args.variant, "greedy": greedy(base, variant, prompts),
               "teacher_forced": teacher_forced(base, variant, args.num_texts, args.text_tokens)}

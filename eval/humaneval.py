@@ -31,6 +31,10 @@ its hyperparameters, `NAME[:FIELD=VALUE[:FIELD=VALUE]]`, e.g.
 Each method's line says whether its completions equal the first method's (under greedy decoding
 exact SD must give the target's own completions), and a markdown table ends the run.
 
+With --output_json OUT, the finished methods' reports and the current method's completions are
+kept in OUT.partial after every batch: after a Ctrl-C (exit 130) or a kill, the same command
+resumes after them and writes what an uninterrupted run writes (other settings are refused).
+
 --offset N skips the first N problems (--limit counts from there). --write_prompts FILE writes the
 chosen problems' prompts in specjax.decode's --input_file form and stops, e.g. prompts for the
 target to write a draft's training text on, the first 20 problems held out:
@@ -41,8 +45,10 @@ target to write a draft's training text on, the first 20 problems held out:
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
+import logging
 import math
 import sys
 import time
@@ -51,9 +57,11 @@ from pathlib import Path
 import jax
 
 from eval import flags, sandbox
-from specjax.app import builders, cli, methods, outputs, runner
-from specjax.app.config import ConfigError, input_paths, load_config
+from specjax.app import builders, cli, methods, outputs, progress, runner
+from specjax.app.config import ConfigError, check_input_file, input_paths, load_config
 from specjax.models import prompting
+
+log = logging.getLogger("specjax.eval.humaneval")
 
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\n@", "\nprint", "\nif", "\n```")
 
@@ -123,6 +131,7 @@ def load_problems(path: Path, limit: int = 0, offset: int = 0,
                   flag: str = "--problems") -> list[dict]:
   """The problems of a JSON-lines file (.gz allowed): `limit` of them (0: all) after the first
   `offset`; a file that is not one is refused with the reason (naming it by `flag`)."""
+  check_input_file(path, flag, "a JSON-lines problems file")
   opener = gzip.open if path.suffix == ".gz" else open
   try:
     with opener(path, "rt", encoding="utf-8") as f:
@@ -222,18 +231,29 @@ def with_samples(problems: list[dict], samples: int, temperature: float) -> list
 
 
 def decode(method, problems: list[dict], seed: int, batch_size: int, max_new_tokens: int,
-           chunk: int) -> tuple[list[dict], float]:
+           chunk: int, saved: dict | None = None, save=None) -> tuple[list[dict], float]:
   """Completions decoded `chunk` tokens at a time: after each round a completion that reached a
   stop sequence, an EOS or max_new_tokens is done, the others continue from prompt + text so far
   (re-encoded), so the function body is not followed by hundreds of unused tokens. Returns one
-  {text, tokens, stats} per problem and the seconds spent (compilation included)."""
-  out = [{"text": "", "tokens": 0, "stats": []} for _ in problems]
+  {text, tokens, stats} per problem and the seconds spent (compilation included).
+  saved: a killed run's state, as save(state) got it after every batch ({"out": the problems'
+  completions so far, "round": the rows the round in flight finished, "seconds"}): decoding
+  goes on from there and gives what an uninterrupted run gives (each round's key and problems
+  follow from `out`)."""
+  state = saved or {"out": [{"text": "", "tokens": 0, "stats": [], "done": False}
+                            for _ in problems], "round": [], "seconds": 0.0}
+  out, done_rows = state["out"], state["round"]
   ends = set(prompting.eos_ids(method.target.tokenizer))
-  active, key, start = list(range(len(problems))), jax.random.PRNGKey(seed), time.perf_counter()
+  key, start = jax.random.PRNGKey(seed), time.perf_counter() - state["seconds"]
+  keep = (lambda rows: save({"out": out, "round": rows,
+                             "seconds": time.perf_counter() - start})) if save else None
+  active = [i for i, o in enumerate(out) if not o["done"]]
   while active:
     step = method.with_settings(max_new_tokens=min(chunk, max_new_tokens - out[active[0]]["tokens"]))
     rows = runner.generate_texts(step, [problems[i]["prompt"] + out[i]["text"] for i in active],
-                                 jax.random.fold_in(key, out[active[0]]["tokens"]), batch_size)
+                                 jax.random.fold_in(key, out[active[0]]["tokens"]), batch_size,
+                                 done=done_rows, on_batch=keep)
+    done_rows = []
     for i, (_, ids, text, stats) in zip(active, rows):
       out[i]["text"] += text
       out[i]["tokens"] += len(ids)
@@ -242,6 +262,8 @@ def decode(method, problems: list[dict], seed: int, batch_size: int, max_new_tok
                         or truncate(out[i]["text"]) != out[i]["text"]
                         or out[i]["tokens"] >= max_new_tokens)
     active = [i for i in active if not out[i]["done"]]
+    if keep:
+      keep([])
   return out, time.perf_counter() - start
 
 
@@ -314,17 +336,20 @@ def check_room(method, problems: list[dict], max_new_tokens: int) -> None:
                         f"problem prompt ({task}) takes {longest}: {fix}")
 
 
-def run_method(method, problems, args, settings) -> dict:
-  """Decode, test and report one method; prints a line per problem and a summary line."""
+def run_method(method, problems, args, settings, saved: dict | None = None, save=None) -> dict:
+  """Decode, test and report one method; prints a line per problem and a summary line. saved,
+  save: decode's state of a killed run, and where to keep it after every batch."""
   decoded, seconds = decode(method, problems, settings.seed,
                             args.batch_size or max(settings.batch_size, 1), args.max_new_tokens,
-                            args.chunk_tokens or args.max_new_tokens)
+                            args.chunk_tokens or args.max_new_tokens, saved, save)
   limits = sandbox.Limits(timeout_s=args.timeout_s, memory_mb=args.memory_mb)
   records = evaluate(problems, [d["text"] for d in decoded], limits)
   for r in records:
     sample = f" (sample {r['sample']})" if args.samples > 1 else ""
     print(f"{r['task_id']}{sample}: {r['result']}", flush=True)
   out = report(args.config, method, records, decoded, seconds)
+  if saved:
+    out["resumed"] = True           # decode_s spans two runs (and two compilations)
   print(f"{out['method']}: pass@1 {out['passed']}/{out['completions']} = {out['pass@1']:.3f}; "
         f"{out['tokens']} tokens in {seconds:.1f} s ({out['ms_per_token']:.1f} ms/token, "
         f"incl. compile)" + _sd_stats(out["stats"]), flush=True)
@@ -372,22 +397,85 @@ def main(argv=None) -> int:
     settings = builders.decode_settings(config)
     problems = with_samples(load_problems(problems_file(args.problems), args.limit, args.offset),
                             args.samples, settings.temperature)
+    kept = keeper(out_path, args, overrides, config, problems)
+    state = resume(kept, len(problems), max(len(items), 1))
     chosen = sweep(args.config, overrides, items) if items else [methods.build(config)]
     names = [i for i, _ in items] or [chosen[0].label]
     for method in chosen:                 # refused now, not after several rounds
       check_room(method, problems, args.max_new_tokens)
-    reports = []
-    for method, item in zip(chosen, names):
-      out = run_method(method, problems, args, settings)
-      out.update(method=label(method, item), max_new_tokens=args.max_new_tokens,
-                 chunk_tokens=args.chunk_tokens, overrides=list(overrides))
-      reports.append(out)
+    reports = state["reports"]
+    save = (lambda decoding: kept.save({"reports": reports, "decoding": decoding})) \
+        if kept else None
+    try:
+      for method, item in list(zip(chosen, names))[len(reports):]:
+        out = run_method(method, problems, args, settings, state["decoding"], save)
+        out.update(method=label(method, item), max_new_tokens=args.max_new_tokens,
+                   chunk_tokens=args.chunk_tokens, overrides=list(overrides))
+        reports.append(out)
+        state["decoding"] = None
+        if save:
+          save(None)
+    except KeyboardInterrupt:
+      print(f"eval.humaneval: interrupted after {len(reports)} of {len(chosen)} methods; "
+            + (f"the completions decoded so far are kept in {kept.path}: the same command "
+               f"resumes after them" if kept else
+               "nothing was kept (--output_json FILE keeps a run's progress in FILE.partial)"),
+            file=sys.stderr)
+      return 130
     if len(reports) > 1:
       print(table(reports), flush=True)
     if out_path:
       outputs.write_json(out_path, reports if items else reports[0])
+    if kept:
+      kept.finish()
 
   return cli.run("eval.humaneval", go)
+
+
+def keeper(out_path, args, overrides, config, problems: list[dict]):
+  """OUT.partial for --output_json OUT (None without one, or when OUT is not a regular file):
+  the finished methods' reports and the current one's completions, for the same command to
+  resume from. Its settings are everything that changes a completion (not --timeout_s or
+  --memory_mb: the tests run again on resuming)."""
+  if not out_path or outputs.writes_in_place(out_path):
+    return None
+  digest = hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest()
+  settings = {"config": args.config, "resolved": config.to_dict(), "overrides": list(overrides),
+              "problems": digest, "methods": args.methods, "samples": args.samples,
+              "max_new_tokens": args.max_new_tokens, "chunk_tokens": args.chunk_tokens,
+              "batch_size": args.batch_size}
+  return progress.Progress(out_path, settings, tool="eval.humaneval", key="state")
+
+
+def resume(kept, problems: int, n_methods: int) -> dict:
+  """The state a killed run of the same command kept ({"reports": the finished methods',
+  "decoding": the current method's completions or None}), or a fresh one."""
+  state = kept.load(lambda st: _not_state(st, problems, n_methods)) if kept else None
+  if state is None:
+    return {"reports": [], "decoding": None}
+  decoding = state.get("decoding") or {"out": []}
+  done = sum(o.get("done", False) for o in decoding["out"] if isinstance(o, dict))
+  log.info("resuming from %s: %d of %d methods finished, %d of %d completions of the next",
+           kept.path, len(state["reports"]), n_methods, done, problems)
+  return state
+
+
+def _not_state(state, problems: int, n_methods: int) -> str:
+  """Why `state` is not one eval.humaneval saved for `problems` completions ("" when it is)."""
+  if not isinstance(state, dict) or not isinstance(state.get("reports"), list):
+    return "no list of reports"
+  if len(state["reports"]) > n_methods:
+    return f"{len(state['reports'])} reports for {n_methods} methods"
+  decoding = state.get("decoding")
+  if decoding is None:
+    return ""
+  if not (isinstance(decoding, dict) and isinstance(decoding.get("out"), list)
+          and isinstance(decoding.get("round"), list)
+          and isinstance(decoding.get("seconds"), (int, float))):
+    return "no completions in progress"
+  if len(decoding["out"]) != problems:
+    return f"{len(decoding['out'])} completions for {problems} problems"
+  return ""
 
 
 def _sd_stats(stats: dict) -> str:

@@ -7,7 +7,8 @@ Modes: target, draft_raw_only, draft_only (the distilled draft), sd_RULE (with t
 and sd_RULE_raw_draft (with the raw draft: the acceptance-rate gain of distillation).
 Each mode decodes the same validation prompts with the config's decode settings (same seed) and
 scores the outputs against the references with the task's metric (ROUGE for the stdlib tasks).
---output_json is rewritten (atomically, strict JSON) as each mode finishes.
+--output_json is rewritten (atomically, strict JSON) as each mode finishes, with `partial`
+(modes_done, modes) until the last one is in; Ctrl-C exits 130 and keeps the modes finished.
 """
 
 from __future__ import annotations
@@ -61,14 +62,25 @@ def main(argv=None) -> int:
     key = jax.random.PRNGKey(builders.decode_settings(config).seed)
     report = {"config": args.config, "metric": metric, "examples": len(prompts),
               "temperature": builders.decode_settings(config).temperature, "modes": {}}
-    for mode, method in decoders(config).items():
-      rows = runner.generate_texts(method, prompts, key, args.batch_size)
-      scores = metrics.evaluate(metric, [text for _, _, text, _ in rows], refs)
-      report["modes"][mode] = {**scores, "examples": len(rows),
-                               **runner.aggregate([st for _, _, _, st in rows])}
-      print(f"{mode:>20}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()), flush=True)
-      if output:             # rewritten after every mode: a failure keeps the modes done
-        outputs.write_json(output, report)
+    chosen = decoders(config)
+    try:
+      for mode, method in chosen.items():
+        rows = runner.generate_texts(method, prompts, key, args.batch_size)
+        scores = metrics.evaluate(metric, [text for _, _, text, _ in rows], refs)
+        report["modes"][mode] = {**scores, "examples": len(rows),
+                                 **runner.aggregate([st for _, _, _, st in rows])}
+        print(f"{mode:>20}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()), flush=True)
+        # Marked partial until the last mode is in: a killed run's file says it is incomplete.
+        report.pop("partial", None)
+        if len(report["modes"]) < len(chosen):
+          report["partial"] = {"modes_done": len(report["modes"]), "modes": len(chosen)}
+        if output:             # rewritten after every mode: a failure keeps the modes done
+          outputs.write_json(output, report)
+    except KeyboardInterrupt:
+      print(f"eval.quality: interrupted after {len(report['modes'])} of {len(chosen)} modes"
+            + (f"; {output} holds them, marked partial" if output and report["modes"] else ""),
+            file=sys.stderr)
+      return 130
 
   return cli.run("eval.quality", go)
 

@@ -115,12 +115,17 @@ def run_probe(command: list[str], compile_cache: pathlib.Path, timeout: float) -
 def wait(proc: subprocess.Popen, timeout: float):
   """(exit status, resource usage) of a child, killed past `timeout` seconds."""
   deadline = time.time() + timeout
-  while time.time() < deadline:
-    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-    if pid:
-      proc.returncode = os.waitstatus_to_exitcode(status)
-      return proc.returncode, usage
-    time.sleep(0.02)
+  try:
+    while time.time() < deadline:
+      pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+      if pid:
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return proc.returncode, usage
+      time.sleep(0.02)
+  except BaseException:         # Ctrl-C, SIGTERM: the probe must not outlive its directory
+    proc.kill()
+    proc.wait()
+    raise
   proc.kill()
   proc.wait()
   raise ProbeError(f"the probe ran past {timeout:.0f} s and was stopped")
@@ -371,8 +376,13 @@ def main(argv=None) -> int:
     check_outputs(config, probe_cases or [Case("run", tuple(overrides))],
                   {"--output_json": out_json, "--output_md": out_md})
     cases = probe_cases or cases_from(args, overrides)
-    with tempfile.TemporaryDirectory(prefix="specjax-startup-") as work:
-      runs = measure(cases, config, args.prompt, args.repeats, pathlib.Path(work))
+    try:
+      with cli.sigterm_as_interrupt(), \
+           tempfile.TemporaryDirectory(prefix="specjax-startup-") as work:
+        runs = measure(cases, config, args.prompt, args.repeats, pathlib.Path(work))
+    except KeyboardInterrupt:    # the probe stopped, its caches and checkpoints removed
+      print("eval.startup: interrupted; nothing measured is kept", file=sys.stderr)
+      return 130
     rows = medians(runs)
     pairs = [(f"deep {lay}", f"shallow {lay}") for lay in ("scan", "auto")]
     text = "\n".join([table(rows), "", *ratios(rows, pairs)]) + "\n"

@@ -71,6 +71,7 @@ def read_prompt_file(name: str) -> list[str]:
   path = Path(name).expanduser()
   if path.is_dir():
     raise PromptError(f"--input_file {path} is a directory: give a file with one prompt per line")
+  config.check_input_file(path, "--input_file", "a file with one prompt per line")
   try:
     text = path.read_text(encoding="utf-8-sig")
   except FileNotFoundError:

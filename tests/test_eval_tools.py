@@ -300,3 +300,36 @@ def test_versus_never_replaces_its_inputs_or_one_output_by_the_other(tmp_path, c
     err = capsys.readouterr().err
     assert code == 2 and ("would overwrite --config" in err or "both" in err), err
   assert config.read_text() == kept and not (tmp_path / "x").exists()
+
+
+def test_quality_output_is_marked_partial_until_the_last_mode(tmp_path, monkeypatch, capsys):
+  """A kill after the first mode leaves a file marked partial (modes_done 1 of 3); Ctrl-C exits
+  130 and names it; a finished run's file has no mark."""
+  class Source:
+    task = type("Task", (), {"metric": "rouge"})()
+    eval_examples = staticmethod(lambda split, n: [("a b", "a b")] * n)
+  monkeypatch.setattr(quality, "load_config", lambda *a: type("C", (), {})())
+  monkeypatch.setattr(quality, "input_paths", lambda *a: {})
+  monkeypatch.setattr(quality.resolve, "eval_source", lambda config: Source())
+  monkeypatch.setattr(quality.builders, "decode_settings",
+                      lambda config: builders.DecodeSettings())
+  monkeypatch.setattr(quality, "decoders", lambda config: {"target": 0, "draft_only": 1,
+                                                           "sd_exact": 2})
+  seen, stop_at = [], [1]
+
+  def generate(method, prompts, key, batch):
+    if method == stop_at[0]:
+      raise KeyboardInterrupt
+    seen.append(json.loads(out.read_text()) if out.exists() else None)
+    return [(p, [1], "a b", {}) for p in prompts]
+
+  monkeypatch.setattr(quality.runner, "generate_texts", generate)
+  out = tmp_path / "quality.json"
+  assert quality.main(["--num_examples", "2", "--output_json", str(out)]) == 130
+  assert "interrupted after 1 of 3 modes" in capsys.readouterr().err
+  report = json.loads(out.read_text())
+  assert list(report["modes"]) == ["target"]
+  assert report["partial"] == {"modes_done": 1, "modes": 3}
+  stop_at[0] = None
+  assert quality.main(["--num_examples", "2", "--output_json", str(out)]) == 0
+  assert "partial" not in json.loads(out.read_text())

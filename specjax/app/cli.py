@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Callable
 
 import jax
@@ -112,6 +115,24 @@ def setup() -> None:
   # of the collections that tracing triggers and of the one at exit, which took 1-1.5 s.
   gc.freeze()
   atexit.register(gc.freeze)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+  """Within: SIGTERM (a scheduler's stop, `kill`) raises KeyboardInterrupt like Ctrl-C, so that
+  `with` blocks and `finally` clauses clean up (temporary directories, child processes) instead
+  of the process ending where it stands. The previous handler is restored on leaving."""
+  if threading.current_thread() is not threading.main_thread():
+    yield                       # only the main thread may set handlers (and gets the signal)
+    return
+
+  def interrupt(signum, frame):
+    raise KeyboardInterrupt
+  previous = signal.signal(signal.SIGTERM, interrupt)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def advice(err: Exception) -> str:

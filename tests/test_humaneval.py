@@ -411,3 +411,19 @@ def test_a_killed_run_resumes_where_it_stopped_and_gives_the_same_report(pair, p
   assert [[(r["completion"], r["tokens"], r["passed"]) for r in m["results"]] for m in a] == \
       [[(r["completion"], r["tokens"], r["passed"]) for r in m["results"]] for m in b]
   assert b[1].get("resumed") and not (tmp_path / "out.json.partial").exists()
+
+
+def test_a_kernel_without_namespaces_is_said_once(monkeypatch, caplog):
+  """Left alone by probe round 7: without unshare(2) the sandbox ran with the Python guards
+  alone and said nothing."""
+  real = subprocess.run
+  monkeypatch.setattr(sandbox.subprocess, "run", lambda cmd, **kw: real(
+      [sys.executable, "-c", "raise SystemExit(1)"]) if "unshare" in cmd[-1] else real(cmd, **kw))
+  sandbox._warn_once.cache_clear()
+  try:
+    with caplog.at_level("WARNING", logger="eval.sandbox"):
+      assert sandbox.run("pass\n", LIMITS).passed and sandbox.run("pass\n", LIMITS).passed
+  finally:
+    sandbox._warn_once.cache_clear()
+  said = [r.getMessage() for r in caplog.records if "network and PID namespaces" in r.getMessage()]
+  assert len(said) == 1

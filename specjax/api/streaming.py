@@ -48,12 +48,12 @@ class RowText:
     return min(hits) if hits else None
 
   def held_back(self, text: str) -> int:
-    """Characters at the end of text that may still change: an incomplete character, or the
-    longest suffix that begins a stop string."""
-    if text.endswith(REPLACEMENT):
-      return len(text) - len(text.rstrip(REPLACEMENT))
-    return max((k for s in self.stop for k in range(1, len(s))
-                if text.endswith(s[:k])), default=0)
+    """Characters at the end of text that may still change: an incomplete character, and before
+    it the longest suffix that begins a stop string (its next character may be the one still
+    incomplete: with stop "\\n🦜", "42\\n" + half the parrot holds back the newline too)."""
+    whole = text.rstrip(REPLACEMENT)
+    return len(text) - len(whole) + max((k for s in self.stop for k in range(1, len(s))
+                                         if whole.endswith(s[:k])), default=0)
 
 
 def final_text(tokenizer, ids: Sequence[int], stop: tuple[str, ...]) -> tuple[list[int], str]:

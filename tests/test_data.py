@@ -358,6 +358,8 @@ def test_file_task_reads_decode_output_and_json_lines(tmp_path):
     ("{\"results\": 3}", "holds no list of records"),
     ("[{\"prompt\": \"a\"}]", "record 0 has no .prompt. and .text. strings"),
     ("[]", "holds no records"),
+    ("[{\"prompt\": \"a\", \"text\": \"\"}, {\"prompt\": \"\", \"text\": \"\"}]",
+     "every one of its 2 records is empty, so there is nothing to train on"),   # probe round 8
     ("{\"prompt\": \"a\", \"text\": ", "is not JSON"),
     (b"\xff\xfe", "UTF-8"),
 ])

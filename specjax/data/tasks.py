@@ -106,6 +106,10 @@ def _file_records(path: str) -> tuple[tuple[str, str], ...]:
     where = (f"record {bad[0]} has no \"prompt\" and \"text\" strings" if bad
              else "it holds no records")
     raise TaskFileError(f"task file:{path}: {where}; give {form}")
+  if not any(r["text"] for r in records):       # every step would train on 0 tokens, and exit 0
+    raise TaskFileError(f"task file:{path}: the \"text\" of every one of its {len(records)} "
+                        f"records is empty, so there is nothing to train on; give {form} whose "
+                        f"texts hold the completions")
   return tuple((r["prompt"], r["text"]) for r in records)
 
 

@@ -72,6 +72,9 @@ def open_source(options: DataOptions, batch_size: int):
     return source
   if options.kind != "task":
     raise UnknownSourceError(options.kind)
+  task = tasks.get_task(options.task, data_dir=options.data_dir or None)
+  if isinstance(task, tasks.FileTask):    # refused before a tokenizer is trained (a minute)
+    task.examples("train")
   tokenizer_spec = options.tokenizer or OFFLINE_TOKENIZER
   tokenizer = tokenizer_lib.get_tokenizer(tokenizer_spec)
   if tokenizer.vocab_size > options.vocab_size:
@@ -80,8 +83,7 @@ def open_source(options: DataOptions, batch_size: int):
   config = source_lib.SourceConfig(batch_size=batch_size, max_prompt_len=cap,
                                    max_target_len=options.target_len, lm_prompt_len=cap,
                                    min_bucket=cap, seed=options.seed)
-  source = _available(tasks.get_task(options.task, data_dir=options.data_dir or None),
-                      tokenizer, config, tokenizer_spec)
+  source = _available(task, tokenizer, config, tokenizer_spec)
   source.batch(0)                              # encodes a first batch: counted in the time
   log.info("data: task %s (%d train examples) with tokenizer %s (%d ids), ready in %.1fs",
            source.task.name, len(source.examples("train")), tokenizer_spec, tokenizer.vocab_size,

@@ -337,7 +337,10 @@ def check(args) -> tuple[list[str], list[int], tuple[int, ...]]:
   batches = flags.parse_gammas(args.batches, "--batches")
   gammas = flags.parse_gammas(args.gammas, "--gammas")         # an empty list is refused
   flags.check_counts(scale=args.scale, prompt_len=args.prompt_len, repeats=args.repeats,
-                     probe_steps=args.probe_steps, new_tokens=args.new_tokens - 1)
+                     probe_steps=args.probe_steps)
+  if args.new_tokens < 2:     # a step's time is (n tokens - 1 token) / (n - 1)
+    raise ValueError(f"--new_tokens must be at least 2 (a decoding step is timed as the "
+                     f"difference of n tokens and 1), got {args.new_tokens}")
   encoder_decoder = [s for s in names if SHAPES[s][0]["model_type"] == "t5"]
   if args.quant and encoder_decoder:
     raise ValueError(f"--quant {args.quant} applies to the decoder-only shapes; "
@@ -377,18 +380,28 @@ def main(argv=None) -> int:
         f"peaks {peak_text}")
     check_same_run(records, run, out)
     done = {r["case"] for r in records}
-    with tempfile.TemporaryDirectory(prefix="specjax-bench-models-") as tmp:
-      for name, batch in order(names, batches):
-        if case_key(name, batch, args.scale, run) in done:
-          say(f"{name} b{batch}: in {out} already, skipped")
-          continue
-        records.append({**measure(name, batch, run, args.scale, pathlib.Path(tmp), peak, say),
-                        **env})
-        run = dataclasses.replace(run, profile=False)     # the first case measured only
-        if out:
-          outputs.write_json(out, dict(environment=env, records=records))
-        print(table(records[-1:]), flush=True)
-        jax.clear_caches()
+    cases = order(names, batches)
+    left = [c for c in cases if case_key(*c, args.scale, run) not in done]
+    try:
+      with tempfile.TemporaryDirectory(prefix="specjax-bench-models-") as tmp:
+        for name, batch in cases:
+          if (name, batch) not in left:
+            say(f"{name} b{batch}: in {out} already, skipped")
+            continue
+          records.append({**measure(name, batch, run, args.scale, pathlib.Path(tmp), peak,
+                                    say), **env})
+          left.remove((name, batch))
+          run = dataclasses.replace(run, profile=False)     # the first case measured only
+          if out:            # marked partial while cases are missing (the same command adds them)
+            mark = {"partial": {"cases_left": len(left)}} if left else {}
+            outputs.write_json(out, dict(environment=env, records=records, **mark))
+          print(table(records[-1:]), flush=True)
+          jax.clear_caches()
+    except KeyboardInterrupt:
+      kept = f": {out} keeps those measured, and the same command measures the rest" if out else ""
+      print(f"eval.bench: interrupted with {len(left)} of {len(cases)} cases left{kept}",
+            file=sys.stderr)
+      return 130
     if md:
       outputs.write_text(md, table(records) + "\n")
     return 0

@@ -5,6 +5,7 @@ refusal it could have made at the start."""
 from __future__ import annotations
 
 import pathlib
+import sys
 
 from specjax.app import outputs
 
@@ -47,3 +48,7 @@ def names(text: str, flag: str, example: str) -> list[str]:
 def output_file(path: str | None, flag: str) -> pathlib.Path | None:
   """The absolute output path, refused now if it cannot be written; None when not asked for."""
   return None if path is None else outputs.check_output_file(path, flag)
+
+
+if __name__ == "__main__":         # a library module: say which tool to run, not exit 0
+  sys.exit("eval.flags is a library, not a tool: python -m eval.latency, eval.bench, ... check their flags with it")

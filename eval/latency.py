@@ -235,21 +235,37 @@ def main(argv=None) -> int:
       raise ValueError(f"eval.latency compares target-only and speculative decoding; the config "
                        f"runs {dec.label}: {fix}")
     prompts = prompts_for(config, args)
+    sweep = gammas or [dec.settings.gamma]
+    # Until the last gamma is measured the list goes to OUT.partial: a killed sweep's file says
+    # by its name that gammas are missing, and OUT holds only whole sweeps.
+    partial = (output.with_name(output.name + ".partial")
+               if output and len(sweep) > 1 and not outputs.writes_in_place(output) else None)
     records, say = [], timing.progress()
-    for g in gammas or [dec.settings.gamma]:
-      say(f"gamma {g}: the target alone and speculative decoding on {len(prompts)} prompts, "
-          f"{args.repeats} repeats each after a first (compiling) run ...")
-      records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
-                             builders.decode_settings(config).seed, args.probe_steps, say,
-                             args.profile))
-      if not runner.reports():
-        continue
-      lines = table(records[-1:]).splitlines()
-      print("\n".join(lines if len(records) == 1 else lines[-1:]), flush=True)
-      if args.profile:
-        print(profile_table(records[-1]["profile"]), flush=True)
-      if output:             # a list, rewritten after every gamma: a failure keeps those done
-        outputs.write_json(output, records)
+    try:
+      for g in sweep:
+        say(f"gamma {g}: the target alone and speculative decoding on {len(prompts)} prompts, "
+            f"{args.repeats} repeats each after a first (compiling) run ...")
+        records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
+                               builders.decode_settings(config).seed, args.probe_steps, say,
+                               args.profile))
+        if not runner.reports():
+          continue
+        lines = table(records[-1:]).splitlines()
+        print("\n".join(lines if len(records) == 1 else lines[-1:]), flush=True)
+        if args.profile:
+          print(profile_table(records[-1]["profile"]), flush=True)
+        if output:           # a list, rewritten after every gamma: a failure keeps those done
+          outputs.write_json(partial if partial and len(records) < len(sweep) else output,
+                             records)
+    except BaseException as err:
+      kept = f": {partial} holds them" if partial and records else ""
+      print(f"eval.latency: {'interrupted' if isinstance(err, KeyboardInterrupt) else 'stopped'} "
+            f"after {len(records)} of {len(sweep)} gammas{kept}", file=sys.stderr)
+      if isinstance(err, KeyboardInterrupt):
+        return 130
+      raise
+    if partial:
+      partial.unlink(missing_ok=True)
 
   return cli.run("eval.latency", go)
 

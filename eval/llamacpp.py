@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +192,7 @@ class Setup:
     return {"llama.cpp: target": make(),
             f"llama.cpp: speculative (draft max {draft_max})": make(draft=self.draft,
                                                                     draft_max=draft_max)}
+
+
+if __name__ == "__main__":         # a library module: say which tool to run, not exit 0
+  sys.exit("eval.llamacpp is a library, not a tool: python -m eval.versus --llama_cpp DIR runs llama.cpp beside specjax (this file's docstring says how to build it)")

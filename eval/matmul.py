@@ -81,6 +81,7 @@ def measure(k: int, n: int, rows: list[int], dtypes: list[str], repeats: int,
         records.append(dict(dtype=dtype, layout=layout, rows=m, k=k, n=n, ms=ms, copies=copies,
                             weight_gb_per_s=sum(a.nbytes for a in args) / ms / 1e6,
                             gflop_per_s=2 * m * k * n / ms / 1e6))
+      del stored                # freed before the next dtype's copies are made
   best_1 = min(r["ms"] for r in records if r["rows"] == 1)
   for r in records:
     one = next(o["ms"] for o in records
@@ -103,6 +104,28 @@ def _product(dtype: str, weights: np.ndarray, dims, transposed: bool = False):
   w = jnp.asarray(weights, dtype)
   return jax.jit(lambda x, w: jax.lax.dot_general(x, w, dims,
                                                   preferred_element_type=jnp.float32)), w, (w,)
+
+
+def check_memory(k: int, n: int, copies: int, dtypes: list[str]) -> None:
+  """Refuse --copies whose weights (held at once, for one dtype and layout at a time) need more
+  than 80% of the memory available now: a typo of a copy count swapped or was killed, silently."""
+  each = k * n * max(np.dtype(d).itemsize if d not in QUANTIZED else 1 for d in dtypes)
+  need, have = each * (copies + 1), _available_bytes()
+  if have is not None and need > 0.8 * have:
+    most = max(int(0.8 * have // each) - 1, 1)
+    raise ValueError(f"--copies {copies} holds {copies} copies of the {k} x {n} weights at once "
+                     f"({need / 1e9:.1f} GB), and {have / 1e9:.1f} GB of memory is available: use "
+                     f"--copies {most} or less")
+
+
+def _available_bytes() -> int | None:
+  """MemAvailable of /proc/meminfo (None where there is none)."""
+  try:
+    with open("/proc/meminfo") as f:
+      line = next(line for line in f if line.startswith("MemAvailable:"))
+    return int(line.split()[1]) * 1024
+  except (OSError, StopIteration, ValueError, IndexError):
+    return None
 
 
 def table(records: list[dict]) -> str:
@@ -133,6 +156,7 @@ def main(argv=None) -> int:
     if "int4" in dtypes and args.k % quant.GROUP:
       raise ValueError(f"--dtypes int4 groups the inputs by {quant.GROUP}: use a --k that is a "
                        f"multiple of {quant.GROUP} (got {args.k}), or drop int4")
+    check_memory(args.k, args.n, args.copies, dtypes)
     records = measure(args.k, args.n, rows, dtypes, args.repeats, args.copies)
     print(table(records), flush=True)
     if output:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from specjax.app import outputs
@@ -110,3 +111,7 @@ def truncate(completion: str) -> str:
 def check_program(problem: dict, completion: str) -> str:
   return (f"{problem['prompt']}{completion}\n\n{problem['test']}\n\n"
           f"check({problem['entry_point']})\n")
+
+
+if __name__ == "__main__":         # a library module: say which tool to run, not exit 0
+  sys.exit("eval.problems is a library, not a tool: python -m eval.humaneval reads HumanEval's problems with it")

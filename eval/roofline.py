@@ -3,6 +3,8 @@ device's peaks (datasheets, or given)."""
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,3 +68,7 @@ def floor_s(cost: dict, peak: tuple[float, float] | None) -> float | None:
   if peak is None:
     return None
   return max((cost["weight_bytes"] + cost["cache_bytes"]) / peak[0], cost["flops"] / peak[1])
+
+
+if __name__ == "__main__":         # a library module: say which tool to run, not exit 0
+  sys.exit("eval.roofline is a library, not a tool: python -m eval.bench reports each step against the roofline")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import sys
 
 import jax
 
@@ -93,3 +94,7 @@ def build(cfg: dict, directory: pathlib.Path, seed: int, precision: str | None =
     params = quant_lib.quantize_params(params, model.config.tie_word_embeddings)
     model = dataclasses.replace(model, config=dataclasses.replace(model.config, quant=quant))
   return model, jax.block_until_ready(params)
+
+
+if __name__ == "__main__":         # a library module: say which tool to run, not exit 0
+  sys.exit("eval.shapes is a library, not a tool: python -m eval.bench --shapes NAME,... builds checkpoints of these shapes")

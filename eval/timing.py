@@ -113,3 +113,7 @@ def cost_probes(target, target_params, draft, draft_params, prompt, draft_prompt
     probes["d1"] = step_loop(draft, draft_params, draft_prompt, 1,
                              cap(draft, draft_prompt, True), steps)
   return probes
+
+
+if __name__ == "__main__":         # a library module: say which tool to run, not exit 0
+  sys.exit("eval.timing is a library, not a tool: python -m eval.latency and eval.bench time with it")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import pathlib
 import re
+import sys
 import tempfile
 
 import jax
@@ -89,3 +90,7 @@ def summarize(events: list[tuple[str, float, float]], steps: int, top: int = 12)
               kernel_ms=sum(d for _, _, d in events) / 1e6, span_ms=span / 1e6,
               busy_pct=100 * busy / span if span else 100.0,
               top=[dict(name=name[:90], count=c, ms=t / 1e6) for name, (c, t) in ranked])
+
+
+if __name__ == "__main__":         # a library module: say which tool to run, not exit 0
+  sys.exit("eval.trace is a library, not a tool: python -m eval.bench --profile and python -m eval.latency --profile show its profiles")

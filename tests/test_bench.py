@@ -66,13 +66,35 @@ def test_a_small_run_writes_its_records_and_a_second_run_resumes(tmp_path, capsy
     (["--peak", "fast"], "'TBps,TFLOPs'"),
     (["--batches", "0"], "at least 1"),
     (["--gammas", ""], "--gammas '' has an empty value"),
-    (["--new_tokens", "1"], "must be at least 1"),
+    (["--new_tokens", "1"], "--new_tokens must be at least 2 (a decoding step is timed as "
+                            "the difference of n tokens and 1), got 1"),   # it said "got 0"
     (["--quant", "int8", "--shapes", "qwen2.5-7b,t5-xl"], "t5-xl has no int8 layers"),
 ])
 def test_bad_flags_are_refused_before_any_work(argv, message, tmp_path, capsys):
   assert bench.main([*argv, "--output_json", str(tmp_path / "b.json")]) == 2
   assert message in capsys.readouterr().err
   assert not (tmp_path / "b.json").exists()
+
+
+def test_a_file_with_cases_left_is_marked_partial_and_ctrl_c_keeps_the_measured(
+    tmp_path, monkeypatch, capsys):
+  """Probe round 8: an interrupted bench left a file that did not say cases were missing."""
+  def measure(name, batch, run, scale, tmp, peak, say):
+    if batch == 8 and stop:
+      raise KeyboardInterrupt
+    return {"case": bench.case_key(name, batch, scale, run), "shape": name, "batch": batch}
+  monkeypatch.setattr(bench, "measure", measure)
+  monkeypatch.setattr(bench, "table", lambda records: "")
+  out, stop = tmp_path / "b.json", True
+  argv = [*SMALL, "--shapes", "qwen-coder-1.5b-90m", "--batches", "1,8", "--output_json", str(out)]
+  assert bench.main(argv) == 130
+  assert ("eval.bench: interrupted with 1 of 2 cases left: " in capsys.readouterr().err)
+  data = json.loads(out.read_text())
+  assert [r["batch"] for r in data["records"]] == [1] and data["partial"] == {"cases_left": 1}
+  stop = False
+  assert bench.main(argv) == 0
+  data = json.loads(out.read_text())
+  assert [r["batch"] for r in data["records"]] == [1, 8] and "partial" not in data
 
 
 def test_a_file_of_other_results_is_refused(tmp_path, capsys):

@@ -88,7 +88,8 @@ def _record(gamma: int) -> dict:
   return {**record, "rule": "exact", "gamma": gamma, "mesh": "1x1", "cost_ratio": math.nan}
 
 
-def test_latency_writes_a_strict_list_per_gamma_and_keeps_done_gammas(tmp_path, monkeypatch):
+def test_latency_writes_a_strict_list_per_gamma_and_keeps_done_gammas(tmp_path, monkeypatch,
+                                                                    capsys):
   monkeypatch.setattr(latency, "load_config", lambda name, overrides: {})
   monkeypatch.setattr(latency.methods, "build", lambda config: _toy_speculative())
   monkeypatch.setattr(latency.runner, "eval_prompts", lambda config, n: ["ab"])
@@ -105,8 +106,21 @@ def test_latency_writes_a_strict_list_per_gamma_and_keeps_done_gammas(tmp_path, 
   assert [r["gamma"] for r in one] == [3] and one[0]["cost_ratio"] is None
   assert "NaN" not in out.read_text()
   assert latency.main(["--gamma", "1,2,5", "--output_json", str(out)]) == 2
-  assert [r["gamma"] for r in json.loads(out.read_text())] == [1, 2]
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["latency.json"]     # no temporary left
+  # The sweep's gammas so far are kept in OUT.partial (its name says gammas are missing); OUT
+  # holds whole sweeps only.
+  partial = tmp_path / "latency.json.partial"
+  assert [r["gamma"] for r in json.loads(partial.read_text())] == [1, 2]
+  assert [r["gamma"] for r in json.loads(out.read_text())] == [3]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["latency.json", "latency.json.partial"]
+  monkeypatch.setattr(latency, "measure", lambda dec, *a, **k: (_ for _ in ()).throw(
+      KeyboardInterrupt) if dec.settings.gamma == 2 else _record(dec.settings.gamma))
+  assert latency.main(["--gamma", "1,2", "--output_json", str(out)]) == 130     # Ctrl-C
+  assert (f"eval.latency: interrupted after 1 of 2 gammas: {partial} holds them"
+          in capsys.readouterr().err)
+  assert latency.main(["--gamma", "1,2,4", "--output_json", str(out)]) == 130
+  monkeypatch.setattr(latency, "measure", lambda dec, *a, **k: _record(dec.settings.gamma))
+  assert latency.main(["--gamma", "1,4", "--output_json", str(out)]) == 0
+  assert [r["gamma"] for r in json.loads(out.read_text())] == [1, 4] and not partial.exists()
 
 
 def test_latency_profile_names_each_pass_and_records_cpu_ops(monkeypatch):

@@ -59,3 +59,27 @@ def test_the_stream_never_shows_text_that_the_final_text_cuts(stop, text):
     if streamer(np.asarray([ids[:k]]), np.asarray([k]))[0]:
       break
   assert "".join(shown) == streaming.final_text(_Bytes(), ids[:k], stop)[1] == text
+
+
+def test_matmul_refuses_copies_past_the_memory_available(monkeypatch, capsys):
+  """--copies 100000000 allocated in silence until it was killed; 400 of the default matrix
+  need 22 GB."""
+  from eval import matmul
+  monkeypatch.setattr(matmul, "_available_bytes", lambda: 24 * 10**9)
+  monkeypatch.setattr(matmul, "measure", lambda *a: pytest.fail("measured"))
+  assert matmul.main(["--copies", "400"]) == 2
+  assert ("--copies 400 holds 400 copies of the 1536 x 8960 weights at once (22.1 GB), and "
+          "24.0 GB of memory is available: use --copies 347 or less") in capsys.readouterr().err
+  matmul.check_memory(1536, 8960, 347, ["float32"])
+
+
+@pytest.mark.parametrize("module", ["trace", "roofline", "flags", "shapes", "timing", "problems",
+                                    "llamacpp"])
+def test_a_library_module_run_as_a_tool_says_which_tool_to_run(module):
+  """`python -m eval.trace` and `python -m eval.roofline ANYTHING` did nothing and exited 0."""
+  import subprocess
+  import sys
+  done = subprocess.run([sys.executable, "-m", f"eval.{module}", "x"], capture_output=True,
+                        text=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+  assert done.returncode == 1 and f"eval.{module} is a library, not a tool: python -m eval." \
+      in done.stderr, done.stderr

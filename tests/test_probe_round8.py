@@ -83,3 +83,28 @@ def test_a_library_module_run_as_a_tool_says_which_tool_to_run(module):
                         text=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
   assert done.returncode == 1 and f"eval.{module} is a library, not a tool: python -m eval." \
       in done.stderr, done.stderr
+
+
+def test_training_messages_name_the_flags_that_mend_them(tmp_path):
+  """lambda1 2 said 'mixture lambda1 must lie in [0, 1]', prompt_len 0 printed a MarkovSource
+  repr, a target_len past the positions advised decoding's remedies, and a decode report cut
+  short was 'not JSON' at line 1 column 2."""
+  import json
+  import types
+  from specjax.app import builders, fit
+  from specjax.data import tasks
+  with pytest.raises(ConfigError, match=r"--config.distill: lambda1 must be in \[0, 1\]"):
+    builders.train_config({"distill": {"lambda1": 2.0}, "train": {"steps": 1}})
+  spec = builders.DataSpec(prompt_len=0, target_len=16)
+  with pytest.raises(ConfigError, match=r"--config.data.prompt_len=0: a training example needs "
+                     r"at least 1 prompt token"):
+    fit.open_source(spec, 2)
+  model = types.SimpleNamespace(is_encoder_decoder=False, n_positions=32)
+  with pytest.raises(ConfigError, match=r"--config.data.prompt_len=8 \+ --config.data.target_len"
+                     r"=100 = 108 positions, and the student reads at most 32"):
+    fit.check_data_lengths(builders.DataSpec(prompt_len=8, target_len=100), [("student", model)])
+  report = json.dumps({"results": [{"prompt": "a" * 50, "text": "b" * 50}] * 5}, indent=2)
+  (tmp_path / "cut.json").write_text(report[:300])
+  with pytest.raises(tasks.TaskFileError, match=r"is not JSON \(Unterminated string starting "
+                     r"at: line 9"):
+    tasks.get_task(f"file:{tmp_path / 'cut.json'}").examples("train")

@@ -270,6 +270,14 @@ def test_run_records_refuse_another_job_or_field_and_allow_more_steps(tmp_path):
   other = dict(config, data={"seed": 1})
   with pytest.raises(ConfigError, match="--config.data.seed: 0 there, 1 now"):
     training.check_run_record(tmp_path, training.run_record(other, pretrain=True))
+  adamw = dict(config, train={"steps": 5, "optimizer": "adamw"})    # probe round 8: its state
+  with pytest.raises(ConfigError, match='--config.train.optimizer: "adafactor" there, "adamw" '
+                     'now.*train.optimizer may not'):                  # was "damaged" checkpoints
+    training.check_run_record(tmp_path, training.run_record(adamw, pretrain=True))
+  saved = json.loads((tmp_path / "run.json").read_text())
+  del saved["fields"]["train.optimizer"]                    # a run.json from before it was kept
+  (tmp_path / "run.json").write_text(json.dumps(saved))
+  training.check_run_record(tmp_path, training.run_record(more, pretrain=True))
   (tmp_path / "params").rmdir()                            # nothing trained: a fresh start
   training.check_run_record(tmp_path, training.run_record(other, pretrain=False))
   assert json.loads((tmp_path / "run.json").read_text())["job"] == "train.distill"

@@ -13,6 +13,7 @@ import jax
 from specjax import checkpoint as ckpt_lib
 from specjax.app import builders, outputs
 from specjax.app.config import ConfigError
+from specjax.decoding.state import position_limit
 from specjax.distill import data, evals, sources
 from specjax.distill import trainer as trainer_lib
 from specjax.distill.metrics_log import format_record
@@ -69,6 +70,8 @@ def _fit(config, cfg, workdir: Path, student, teacher, display, source):
   spec = builders.data_spec(config)
   (model, params), (t_model, t_params) = student, teacher or (None, None)
   check_data_vocab(spec, [m for m in (model, t_model) if m is not None])
+  check_data_lengths(spec, [(r, m) for r, m in (("student", model), ("teacher", t_model))
+                            if m is not None])
   source = open_source(spec, cfg.batch_size) if source is None else source
   trainer = trainer_lib.Trainer(cfg, model, t_model, source, workdir, eos_id=spec.eos_id,
                                 pad_id=spec.pad_id, model_desc=repr(model),
@@ -84,6 +87,18 @@ def _fit(config, cfg, workdir: Path, student, teacher, display, source):
   return state
 
 
+def check_data_lengths(spec: builders.DataSpec, models) -> None:
+  """data.prompt_len + data.target_len within every model's position table (models: (role,
+  model) pairs), named by their flags (a cache error advised decoding's remedies)."""
+  need = spec.prompt_len + spec.target_len
+  for role, model in models:
+    limit = position_limit(model)
+    if limit is not None and need > limit:
+      raise ConfigError(f"--config.data.prompt_len={spec.prompt_len} + --config.data.target_len="
+                        f"{spec.target_len} = {need} positions, and the {role} reads at most "
+                        f"{limit} (its n_positions): lower them to {limit} together")
+
+
 def check_data_vocab(spec: builders.DataSpec, models) -> None:
   """A Markov source draws ids below data.vocab_size: more ids than a model's embedding has
   rows gave non-finite losses, reported as a divergence (the task source checks its tokenizer)."""
@@ -96,6 +111,10 @@ def check_data_vocab(spec: builders.DataSpec, models) -> None:
 
 def open_source(spec: builders.DataSpec, batch_size: int):
   """The training data of the `data` section; its errors as advice on the flags that mend them."""
+  for field in ("prompt_len", "target_len"):       # (a MarkovSource's repr said it)
+    if getattr(spec, field) < 1:
+      raise ConfigError(f"--config.data.{field}={getattr(spec, field)}: a training example needs "
+                        f"at least 1 {field.split('_')[0]} token")
   options = sources.DataOptions(
       kind=spec.source, task=spec.task, tokenizer=spec.tokenizer, vocab_size=spec.vocab_size,
       prompt_len=spec.prompt_len, target_len=spec.target_len, seed=spec.seed,

@@ -164,7 +164,8 @@ def pretrain_role(config) -> str:
 def run_record(config, pretrain: bool) -> dict:
   """The job and the config fields that define its run: the trained model's section (both
   models' when distilling), the data section and the loss (the distill section; pretraining's
-  loss is NLL). Values as JSON has them. train.* (steps included) may change between runs."""
+  loss is NLL), and train.optimizer (its state is in the checkpoints). Values as JSON has them.
+  The other train.* settings (steps included) may change between runs."""
   if pretrain:
     role = pretrain_role(config)
     sections, fields = (role, "data"), {"pretrain.model": role}
@@ -175,6 +176,8 @@ def run_record(config, pretrain: bool) -> dict:
   # The teacher cache's place is not part of the run; its settings are only when it is on (a
   # workdir recorded before the cache existed resumes as it was).
   fields.pop("distill.cache_dir", None)
+  # The optimizer decides the state's tree: another one cannot restore the checkpoints.
+  fields["train.optimizer"] = builders.train_config(config, pretrain).optimizer
   if not fields.get("distill.cache_batches"):
     fields.pop("distill.cache_batches", None)
     fields.pop("distill.cache_top_k", None)
@@ -261,6 +264,8 @@ def record_mismatch(saved: dict, record: dict) -> str:
             f"with, or choose another --workdir (the same params copied, with new modification "
             f"times: delete its {RUN_FILE} to adopt them)")
   old, new = saved.get("fields", {}), record["fields"]
+  if "train.optimizer" not in old:       # a run.json from before it was recorded: adopted
+    new = {k: v for k, v in new.items() if k != "train.optimizer"}
   # Values changed first, then fields only one side has (a section of another model).
   differ = sorted((k for k in set(old) | set(new) if old.get(k) != new.get(k)),
                   key=lambda k: (not (k in old and k in new), k))
@@ -270,7 +275,8 @@ def record_mismatch(saved: dict, record: dict) -> str:
                     for k in differ[:SHOWN_DIFFERENCES])
   more = f" (and {len(differ) - SHOWN_DIFFERENCES} more)" if len(differ) > SHOWN_DIFFERENCES else ""
   return (f"holds a {record['job']} run with other settings ({shown}{more}): rerun with the "
-          f"workdir's values to resume it (train.* settings such as train.steps may change), or "
+          f"workdir's values to resume it (train.* settings such as train.steps may change, "
+          f"train.optimizer may not), or "
           f"choose another --workdir")
 
 

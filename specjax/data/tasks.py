@@ -90,14 +90,22 @@ def _file_records(path: str) -> tuple[tuple[str, str], ...]:
     raise TaskFileError(f"task file:{path}: cannot read it as UTF-8 text ({err}); give {form}") \
         from None
   try:
-    whole = json.loads(raw)
-  except json.JSONDecodeError:
-    whole = None                           # JSON lines, or not JSON: its lines say where
-  try:
-    records = [json.loads(line) for line in raw.splitlines() if line.strip()] \
-        if whole is None else whole.get("results", [whole]) if isinstance(whole, dict) else whole
+    whole, as_one = json.loads(raw), None
   except json.JSONDecodeError as err:
-    raise TaskFileError(f"task file:{path} is not JSON ({err}); give {form}") from None
+    whole, as_one = None, err              # JSON lines, or not JSON: its lines say where
+  records = whole.get("results", [whole]) if isinstance(whole, dict) else whole
+  if whole is None:
+    records = []
+    for number, line in enumerate(raw.splitlines(), 1):
+      if not line.strip():
+        continue
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError as err:
+        # A first line that is no JSON value is a document cut short (a killed decode's
+        # report): the whole document's error says where it ends.
+        why = as_one if not records else f"line {number}: {err}"
+        raise TaskFileError(f"task file:{path} is not JSON ({why}); give {form}") from None
   if not isinstance(records, list):
     raise TaskFileError(f"task file:{path} holds no list of records; give {form}")
   bad = [i for i, r in enumerate(records) if not (isinstance(r, dict) and isinstance(

@@ -106,6 +106,10 @@ class TrainConfig:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if not math.isfinite(self.learning_rate):
       raise ValueError(f"learning_rate must be a finite number, got {self.learning_rate}")
+    for name in ("lambda1", "lambda2"):                   # named by the flag that sets them
+      if not 0.0 <= getattr(self, name) <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1] (a share of the steps), got "
+                         f"{getattr(self, name)}")
     if not 0.0 <= self.final_lr_ratio <= 1.0:             # nan fails too
       raise ValueError(f"final_lr_ratio must be in [0, 1] (the last learning rate over the "
                        f"peak), got {self.final_lr_ratio}")

@@ -92,8 +92,8 @@ class PromptTooLongError(ValueError):
       fixes.append(f"raise {room.limit_from}")
     elif most is not None and most < 1 and not (gamma is not None and gamma >= 1):
       fixes.append("use a model with a longer position table")
-    fits = (f"the longest prompt that fits is {room.longest} tokens" if room.longest > 0
-            else "no prompt fits")
+    fits = (f"the longest prompt that fits is {room.longest} token"
+            f"{'s' if room.longest > 1 else ''}" if room.longest > 0 else "no prompt fits")
     fixes = ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
     super().__init__(f"prompt {_quote(text)} has {tokens} tokens for {room.model}; "
                      f"{room.describe()}, so {fits}: {fixes}")

@@ -165,11 +165,12 @@ def main(argv=None) -> int:
       inputs = {"--input_file": args.input_file, **config.input_paths(args.config, cfg)}
       outputs.check_not_input(output, inputs, "--output_json")
     prompts = read_prompts(args, cfg)
-    streaming = builders.decode_settings(cfg).stream     # (jax starts in runner.run, after any
-                                                          # jax.distributed.initialize)
+    settings = builders.decode_settings(cfg)     # (jax starts in runner.run, after any
+    streaming = settings.stream                  # jax.distributed.initialize)
     kept = None
-    if output and not outputs.writes_in_place(output):
-      kept = progress.Progress(output, {**cfg.to_dict(), "prompts": prompts})
+    if output and not outputs.writes_in_place(output):      # gamma "auto" as it resolved here
+      kept = progress.Progress(output, {**cfg.to_dict(), "prompts": prompts,
+                                        "resolved": runner.resolved(settings)})
     ready = time.perf_counter() - start
     report = runner.run(cfg, prompts, show=_show if streaming else None, compare=args.compare,
                         progress=kept)

@@ -140,6 +140,7 @@ def test_decode_prints_stats_and_writes_json(pair, default_run):
   settings = report["settings"]
   assert settings["mode"] == "speculative" and settings["rule"]["name"] == "exact"
   assert settings["decode"]["max_new_tokens"] == MAX_NEW
+  assert settings["resolved"] == {"gamma": settings["decode"]["gamma"], "draft_confidence": 0.0}
   assert settings["target"]["checkpoint"] == str(pair["target"])
   assert settings["draft"]["checkpoint"] == str(pair["draft"])
 

@@ -108,3 +108,23 @@ def test_training_messages_name_the_flags_that_mend_them(tmp_path):
   with pytest.raises(tasks.TaskFileError, match=r"is not JSON \(Unterminated string starting "
                      r"at: line 9"):
     tasks.get_task(f"file:{tmp_path / 'cut.json'}").examples("train")
+
+
+def test_gamma_auto_is_recorded_as_it_resolved_and_a_partial_of_another_is_refused(
+    tmp_path, monkeypatch):
+  """The report said "gamma": "auto" (7, 4 or 3 by the machine), and a .partial begun on one
+  machine resumed on another with another gamma; "autox" was 'expects a number'."""
+  from specjax.app import builders, config, progress, runner
+  monkeypatch.setattr(builders, "auto_blocks", lambda quant: (7, 0.7))
+  cfg = config.load_config("tiny.py", ["--config.decode.gamma=auto"])
+  settings = builders.decode_settings(cfg)
+  assert runner.resolved(settings) == {"gamma": 7, "draft_confidence": 0.7}
+  here = {**cfg.to_dict(), "prompts": ["a"], "resolved": runner.resolved(settings)}
+  progress.Progress(tmp_path / "out.json", here).save([])
+  there = dict(here, resolved={"gamma": 4, "draft_confidence": 0.8})
+  with pytest.raises(progress.ProgressError, match="differs in resolved.draft_confidence, "
+                     "resolved.gamma"):
+    progress.Progress(tmp_path / "out.json", there).rows()
+  with pytest.raises(ConfigError, match="--config.decode.gamma expects a number or auto, got "
+                     "'autox'"):
+    config.load_config("tiny.py", ["--config.decode.gamma=autox"])

@@ -216,7 +216,8 @@ def _typed(raw: str, old, key: str):
     try:
       value = float(raw)         # inf, nan
     except ValueError:
-      raise ConfigError(f"--config.{key} expects a number, got '{raw}'") from None
+      words = "".join(f" or {w}" for w in WORDS.get(key, ()))
+      raise ConfigError(f"--config.{key} expects a number{words}, got '{raw}'") from None
   if isinstance(old, float) and isinstance(value, int):
     return float(value)
   if isinstance(old, int) and isinstance(value, float) and not value.is_integer():

@@ -148,7 +148,7 @@ def run(config, prompts: list[str], show: Callable[[str], None] | None = None,
   report["timing"]["load_s"] = load_s
   report["settings"] = {"mode": method.name, "label": method.label,
                         "devices": devices(method.mesh), **config.to_dict(),
-                        "prompts": list(prompts)}
+                        "prompts": list(prompts), "resolved": resolved(settings)}
   if compare and method.name != "autoregressive" and "partial" not in report:
     alone = decode_timed(method.target_only(), prompts, jax.random.PRNGKey(settings.seed))
     report["compare"] = {"target_alone": alone["timing"],
@@ -156,6 +156,12 @@ def run(config, prompts: list[str], show: Callable[[str], None] | None = None,
                          "same_tokens": [r["tokens"] for r in alone["results"]]
                          == [r["tokens"] for r in report["results"]]}
   return report
+
+
+def resolved(settings) -> dict:
+  """What decode.gamma "auto" became on this machine (a report records it: sampled draws and a
+  resumed run depend on it), and the draft_confidence that goes with it."""
+  return {"gamma": settings.gamma, "draft_confidence": settings.draft_confidence}
 
 
 def decode_timed(method: methods.Method, prompts: list[str], key,

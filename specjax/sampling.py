@@ -210,7 +210,9 @@ def _top_p_mask(z: jax.Array, top_p) -> jax.Array:
   logp = jax.lax.optimization_barrier(jax.nn.log_softmax(z, axis=-1))
   desc = jnp.flip(jnp.sort(logp, axis=-1), axis=-1)                      # [..., V] descending
   before = jnp.cumsum(jnp.exp(desc), axis=-1) - jnp.exp(desc)           # mass strictly above
-  kept = jnp.sum(before < top_p, axis=-1, keepdims=True)                # >= 1
+  # At least the top token: a top_p below float32's smallest normal is 0 on the device (flushed)
+  # and kept nothing, so the cutoff at index -1 kept everything.
+  kept = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
   cutoff = jnp.take_along_axis(desc, kept - 1, axis=-1)                 # [..., 1]
   return jnp.where(logp < cutoff, -jnp.inf, z)
 

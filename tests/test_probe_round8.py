@@ -128,3 +128,15 @@ def test_gamma_auto_is_recorded_as_it_resolved_and_a_partial_of_another_is_refus
   with pytest.raises(ConfigError, match="--config.decode.gamma expects a number or auto, got "
                      "'autox'"):
     config.load_config("tiny.py", ["--config.decode.gamma=autox"])
+
+
+@pytest.mark.parametrize("top_p", [1e-9, 1e-45, 5e-324])
+def test_a_tiny_top_p_keeps_the_top_token(top_p):
+  """Probe round 8: a top_p under float32's smallest normal kept nothing, so every token (the
+  cutoff index -1) was kept and the text was sampled from the whole distribution."""
+  import jax
+  from specjax.sampling import Warp
+  logits = np.random.RandomState(1).randn(3, 400).astype(np.float32) * 3
+  for warp in (Warp(1.0, top_p=top_p), Warp(1.0, top_p=(top_p, 1.0, top_p))):
+    lp = np.asarray(jax.jit(lambda x, w: w.log_probs(x))(logits, warp))
+    assert (np.isfinite(lp[0]).sum(), lp[0].argmax()) == (1, logits[0].argmax())

@@ -377,8 +377,7 @@ def main(argv=None) -> int:
                   {"--output_json": out_json, "--output_md": out_md})
     cases = probe_cases or cases_from(args, overrides)
     try:
-      with cli.sigterm_as_interrupt(), \
-           tempfile.TemporaryDirectory(prefix="specjax-startup-") as work:
+      with tempfile.TemporaryDirectory(prefix="specjax-startup-") as work:
         runs = measure(cases, config, args.prompt, args.repeats, pathlib.Path(work))
     except KeyboardInterrupt:    # the probe stopped, its caches and checkpoints removed
       print("eval.startup: interrupted; nothing measured is kept", file=sys.stderr)

@@ -11,7 +11,7 @@ Speculative decoding runs when the config names a draft checkpoint and a rule; o
 target decodes alone (greedy when decode.temperature == 0). A prompt longer than the cache allows
 is refused with the longest that fits; --config.decode.truncate=left keeps its last tokens.
 With one prompt per batch (decode.batch_size 1) the text is printed as it is generated
-(--config.decode.stream=false: at the end). Ctrl-C writes the prompts finished so far to
+(--config.decode.stream=false: at the end). Ctrl-C (or SIGTERM) writes the prompts finished so far to
 --output_json (marked partial) and exits 130; a second Ctrl-C stops at once. With --output_json
 OUT the finished prompts are also kept in OUT.partial after every batch: the same command run
 again after a kill resumes after them (app/progress.py).

@@ -91,13 +91,21 @@ def test_no_network_and_no_cached_pair_names_the_offline_ways(tmp_path, monkeypa
   assert "Traceback" not in err
 
 
-def test_ctrl_c_writes_the_finished_prompts_marked_partial(offline_pair, capsys, monkeypatch):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_ctrl_c_writes_the_finished_prompts_marked_partial(offline_pair, capsys, monkeypatch,
+                                                           stop):
+  """SIGTERM (a scheduler's stop) keeps what Ctrl-C keeps: it ended the run at once, with no
+  report (probe round 8)."""
+  import os
+  import signal
   from specjax.app import methods
   real, calls = methods.Speculative.generate, []
 
   def interrupted_on_the_second(self, *args, **kwargs):
     calls.append(1)
     if len(calls) == 2:
+      if stop == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
       raise KeyboardInterrupt
     return real(self, *args, **kwargs)
 

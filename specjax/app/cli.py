@@ -175,9 +175,11 @@ def advice(err: Exception) -> str:
 
 
 def run(prog: str, fn: Callable[[], int | None]) -> int:
-  """fn() with user errors reported as `PROG: error: ...` and exit status 2."""
+  """fn() with user errors reported as `PROG: error: ...` and exit status 2, and SIGTERM taken
+  as Ctrl-C (a scheduler's stop keeps what Ctrl-C keeps: a partial report, progress files)."""
   try:
-    return fn() or 0
+    with sigterm_as_interrupt():
+      return fn() or 0
   except USER_ERRORS as err:
     if os.environ.get("SPECJAX_DEBUG"):
       raise

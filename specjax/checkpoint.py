@@ -33,7 +33,17 @@ def _orbax():
   """orbax.checkpoint, imported on first use: its import takes a few tenths of a second, and
   every command (decoding too) imports this module, most without saving or restoring."""
   import orbax.checkpoint as ocp
+  absl = logging.getLogger("absl")                 # orbax logs through absl's logger
+  if _no_interrupt_tracebacks not in absl.filters:
+    absl.addFilter(_no_interrupt_tracebacks)
   return ocp
+
+
+def _no_interrupt_tracebacks(record: logging.LogRecord) -> bool:
+  """Drops orbax's report of a wait that Ctrl-C cut short (a traceback ending in
+  KeyboardInterrupt): the command says in one line what was and was not saved."""
+  return not (record.exc_info and record.exc_info[0] is not None
+              and issubclass(record.exc_info[0], KeyboardInterrupt))
 
 
 class CheckpointMismatchError(ValueError):
@@ -158,6 +168,7 @@ class Checkpointer:
 
   def __post_init__(self):
     self.workdir = Path(self.workdir).absolute()
+    self._remove_unfinished()
     options = _orbax().CheckpointManagerOptions(
         max_to_keep=self.keep, save_interval_steps=max(1, self.every),
         enable_async_checkpointing=self.async_save, create=True)
@@ -253,6 +264,30 @@ class Checkpointer:
                   "need it)", step, self.workdir / "checkpoints" / str(step), reason, good, kept)
     self.manager.reload()
 
+  def _remove_unfinished(self) -> None:
+    """Remove the temporary directories of saves that never finished (a run stopped at once
+    while saving): orbax leaves them for good. The workdir is this run's (lock_workdir)."""
+    if jax.process_index() != 0:
+      return
+    for tmp in (self.workdir / "checkpoints").glob(f"*{UNFINISHED}*"):
+      log.info("removing %s: a save that a stopped run left unfinished", tmp)
+      shutil.rmtree(tmp, ignore_errors=True)
+
+  def finished_steps(self) -> list[int]:
+    """The steps whose checkpoints are whole on disk (a save in progress is not one)."""
+    steps = self.workdir / "checkpoints"
+    return sorted(int(p.name) for p in steps.iterdir() if p.name.isdigit()) \
+        if steps.is_dir() else []
+
+  def abandon(self) -> int | None:
+    """Stop at once, without waiting for a save in progress (a second Ctrl-C): orbax's threads,
+    cut short, are kept from logging tracebacks, and the save's temporary directory is removed
+    by the next run. Returns the latest whole checkpoint's step (None: none)."""
+    for name in ("absl", "orbax", "orbax.checkpoint"):
+      logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    done = self.finished_steps()
+    return done[-1] if done else None
+
   def wait(self) -> None:
     self.manager.wait_until_finished()
 
@@ -262,6 +297,7 @@ class Checkpointer:
 
 
 DAMAGED_DIR = "checkpoints.damaged"
+UNFINISHED = ".orbax-checkpoint-tmp"       # orbax's name for a save in progress
 
 
 @contextlib.contextmanager

@@ -99,6 +99,33 @@ def test_ctrl_c_saves_the_current_step_and_a_resume_repeats_no_step(tmp_path, si
   assert all(r.get("loss") != 9.0 for r in records(tmp_path))
 
 
+def test_a_second_ctrl_c_while_saving_stops_at_once_and_names_the_step_a_rerun_resumes_from(
+    tmp_path, monkeypatch):
+  """Probe round 8: a second Ctrl-C while the interrupt checkpoint was saved printed three
+  tracebacks, one saying the step was saved when it was not, and left orbax's temporary
+  directory in the workdir for good."""
+  tr, params = pretrainer(tmp_path, steps=6, checkpoint_every=2)
+
+  def second_ctrl_c(self):                     # what the handler raises at the second signal
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "wait", second_ctrl_c)
+  closed = []
+  monkeypatch.setattr(checkpoint.Checkpointer, "close", lambda self: closed.append(1))
+  with pytest.raises(trainer.TrainingAbandoned) as err:
+    tr.run(params, on_step=lambda step, state: step == 3 and os.kill(os.getpid(), signal.SIGINT))
+  # (saved synchronously here: step 3's checkpoint is whole, and named)
+  assert err.value.last == 3 == saved_steps(tmp_path)[-1] and not closed   # no wait on a save
+  assert str(err.value).startswith("stopped at once, without waiting for a save in progress: a "
+                                   "rerun resumes from step 3, the latest whole checkpoint")
+  monkeypatch.undo()
+  unfinished = tmp_path / "checkpoints" / "5.orbax-checkpoint-tmp-1764800000"
+  unfinished.mkdir()                           # what a save cut short leaves
+  tr, params = pretrainer(tmp_path, steps=6, checkpoint_every=2)
+  tr.run(params)
+  assert not unfinished.exists() and saved_steps(tmp_path)[-1] == 6
+
+
 def test_lower_steps_on_a_finished_workdir_do_nothing(tmp_path, caplog):
   tr, params = pretrainer(tmp_path)
   tr.run(params)

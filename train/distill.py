@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None, pretrain: bool = False, doc: str = __doc
     except trainer.TrainingInterrupted as stopped:    # Ctrl-C: a checkpoint was saved
       print(f"{prog}: {stopped}", file=sys.stderr)
       return INTERRUPTED
+    except trainer.TrainingAbandoned as stopped:      # a second Ctrl-C: no wait on the save
+      print(f"{prog}: {stopped}", file=sys.stderr)
+      cli.exit_now(INTERRUPTED)
     except KeyboardInterrupt:                          # before the first step, or a second Ctrl-C
       print(f"{prog}: interrupted (nothing saved now: a rerun resumes from the workdir's latest "
             f"checkpoint, if any)", file=sys.stderr)

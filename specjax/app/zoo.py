@@ -22,7 +22,7 @@ import ml_collections as mlc
 from rich.console import Console
 
 from specjax.api import loading
-from specjax.app import builders
+from specjax.app import builders, cli
 from specjax.app.config import ConfigError
 from specjax.app.fit import fit
 from specjax.data.cache import cache_dir
@@ -169,8 +169,10 @@ def build(name: str, stages=ROLES) -> None:
     tokenizer = get_tokenizer(config.data.tokenizer)
     try:
       state = _train_stage(config, str(pair_dir_work(rec) / stage), stage)
-    except trainer_lib.TrainingInterrupted as stopped:
+    except (trainer_lib.TrainingInterrupted, trainer_lib.TrainingAbandoned) as stopped:
       console.print(f"stage {stage} {stopped}: the next use of the pair resumes the build")
+      if isinstance(stopped, trainer_lib.TrainingAbandoned):
+        cli.exit_now(130)             # no wait on the save its threads were making
       raise SystemExit(130) from None
     role = "target" if stage == "target" else "draft"
     model = builders.model_from_fields(builders.model_spec(config, role))

@@ -153,6 +153,17 @@ class TrainingInterrupted(KeyboardInterrupt):
                      f"same command again to resume from it")
 
 
+class TrainingAbandoned(KeyboardInterrupt):
+  """A second Ctrl-C: the loop stopped at once, the step in progress unsaved; `last`: the
+  latest whole checkpoint's step (None: none), which a rerun resumes from."""
+
+  def __init__(self, last: int | None, workdir: Path):
+    self.last, self.workdir = last, workdir
+    then = (f"a rerun resumes from step {last}, the latest whole checkpoint in {workdir}"
+            if last is not None else f"no whole checkpoint is in {workdir}: a rerun starts over")
+    super().__init__(f"stopped at once, without waiting for a save in progress: {then}")
+
+
 class StopRequest:
   """Ctrl-C or SIGTERM (what schedulers and preemption send) while `installed`: the first asks
   the loop to stop after the current step (which then saves a checkpoint); a second one
@@ -429,6 +440,7 @@ class Trainer:
     signature = ckpt_lib.ModelSignature.of(student_params, self.model_desc)
     ckpt = ckpt_lib.Checkpointer(self.workdir, signature, every=cfg.checkpoint_every,
                                  keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoint)
+    closed = False
     try:
       state = self.resume_or_init(ckpt, student_params)
       first = int(jax.device_get(state.step))
@@ -446,8 +458,14 @@ class Trainer:
       evals = EvalSchedule(evaluate, cfg.eval_every, cfg.eval_at_start)
       with StopRequest().installed() as stop:
         state = self._loop(state, first, ckpt, placed_teacher, flops, on_step, stop, evals)
+    except KeyboardInterrupt as err:
+      if isinstance(err, TrainingInterrupted):        # its checkpoint is whole: close as usual
+        raise
+      closed = True                                   # a second Ctrl-C: no wait on a save
+      raise TrainingAbandoned(ckpt.abandon(), self.workdir) from None
     finally:
-      ckpt.close()
+      if not closed:
+        ckpt.close()
     return state
 
   def use_cache(self, state: TrainState, teacher_params) -> features_lib.FeatureCache:
@@ -545,6 +563,7 @@ class Trainer:
       if stop.requested and done < cfg.steps:
         if not saved:
           self._save(ckpt, done, state, check, force=True)
+        ckpt.wait()             # whole before the run says so (a second Ctrl-C here abandons it)
         raise TrainingInterrupted(done, self.workdir)
     if ckpt.latest_step() != cfg.steps:
       self._save(ckpt, cfg.steps, state, check, force=True)

@@ -40,7 +40,7 @@ import numpy as np
 from eval import flags, timing, trace
 from eval import problems as problem_file
 from specjax.api.drafters import LoadedHead
-from specjax.app import builders, cli, methods, outputs, runner
+from specjax.app import builders, cli, methods, outputs, progress, runner
 from specjax.app.config import input_paths, load_config
 
 
@@ -212,6 +212,27 @@ def profile_table(profile: dict, top: int = 8) -> str:
   return "\n".join(lines)
 
 
+def keeper(output, args, overrides, prompts: list[str], gammas: list[int]):
+  """OUT.partial of a sweep of several gammas (None otherwise): the records measured so far,
+  which the same command resumes after, and which name the file as unfinished (OUT holds whole
+  sweeps). Its settings: what changes a record."""
+  if not output or len(gammas) < 2 or outputs.writes_in_place(output):
+    return None
+  settings = {"config": args.config, "overrides": list(overrides), "gammas": gammas,
+              "prompts": prompts, "repeats": args.repeats, "probe_steps": args.probe_steps,
+              "profile": args.profile}
+  return progress.Progress(output, settings, tool="eval.latency", key="records")
+
+
+def _not_records(saved, gammas: list[int]) -> str:
+  """Why `saved` is not the records of the sweep's first gammas ("" when it is)."""
+  if not (isinstance(saved, list) and all(isinstance(r, dict) for r in saved)):
+    return "no list of records"
+  if [r.get("gamma") for r in saved] != gammas[:len(saved)] or len(saved) >= len(gammas):
+    return f"records for gammas {[r.get('gamma') for r in saved]} in a sweep of {gammas}"
+  return ""
+
+
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
 
@@ -227,6 +248,13 @@ def main(argv=None) -> int:
     # config's, not the auto choice's: app/builders.auto_blocks).
     config = load_config(args.config, list(overrides) + [f"decode.gamma={g}" for g in gammas[:1]])
     outputs.check_not_input(output, input_paths(args.config, config), "--output_json")
+    say = timing.progress()
+    prompts = prompts_for(config, args)
+    kept = keeper(output, args, overrides, prompts, gammas)
+    records = (kept.load(lambda saved: _not_records(saved, gammas)) if kept else None) or []
+    if records:
+      say(f"resuming: gammas {', '.join(str(r['gamma']) for r in records)} were measured by an "
+          f"earlier run ({kept.path})")
     dec = methods.build(config)
     if not isinstance(dec, methods.Speculative):
       fix = (f"method {dec.label} has a loop of its own: choose an acceptance rule "
@@ -234,15 +262,9 @@ def main(argv=None) -> int:
              else "name a draft checkpoint (--config.draft.checkpoint) and an acceptance rule")
       raise ValueError(f"eval.latency compares target-only and speculative decoding; the config "
                        f"runs {dec.label}: {fix}")
-    prompts = prompts_for(config, args)
     sweep = gammas or [dec.settings.gamma]
-    # Until the last gamma is measured the list goes to OUT.partial: a killed sweep's file says
-    # by its name that gammas are missing, and OUT holds only whole sweeps.
-    partial = (output.with_name(output.name + ".partial")
-               if output and len(sweep) > 1 and not outputs.writes_in_place(output) else None)
-    records, say = [], timing.progress()
     try:
-      for g in sweep:
+      for g in sweep[len(records):]:
         say(f"gamma {g}: the target alone and speculative decoding on {len(prompts)} prompts, "
             f"{args.repeats} repeats each after a first (compiling) run ...")
         records.append(measure(dec.with_settings(gamma=g), prompts, args.repeats,
@@ -254,18 +276,19 @@ def main(argv=None) -> int:
         print("\n".join(lines if len(records) == 1 else lines[-1:]), flush=True)
         if args.profile:
           print(profile_table(records[-1]["profile"]), flush=True)
-        if output:           # a list, rewritten after every gamma: a failure keeps those done
-          outputs.write_json(partial if partial and len(records) < len(sweep) else output,
-                             records)
+        if kept and len(records) < len(sweep):      # a sweep's gammas so far: OUT.partial
+          kept.save(records)
+        elif output:                                # a list: whole sweeps only
+          outputs.write_json(output, records)
     except BaseException as err:
-      kept = f": {partial} holds them" if partial and records else ""
+      where = f": {kept.path} keeps them for the same command" if kept and records else ""
       print(f"eval.latency: {'interrupted' if isinstance(err, KeyboardInterrupt) else 'stopped'} "
-            f"after {len(records)} of {len(sweep)} gammas{kept}", file=sys.stderr)
+            f"after {len(records)} of {len(sweep)} gammas{where}", file=sys.stderr)
       if isinstance(err, KeyboardInterrupt):
         return 130
       raise
-    if partial:
-      partial.unlink(missing_ok=True)
+    if kept:
+      kept.finish()
 
   return cli.run("eval.latency", go)
 

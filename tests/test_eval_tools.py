@@ -109,18 +109,26 @@ def test_latency_writes_a_strict_list_per_gamma_and_keeps_done_gammas(tmp_path, 
   # The sweep's gammas so far are kept in OUT.partial (its name says gammas are missing); OUT
   # holds whole sweeps only.
   partial = tmp_path / "latency.json.partial"
-  assert [r["gamma"] for r in json.loads(partial.read_text())] == [1, 2]
+  assert [r["gamma"] for r in json.loads(partial.read_text())["records"]] == [1, 2]
   assert [r["gamma"] for r in json.loads(out.read_text())] == [3]
   assert sorted(p.name for p in tmp_path.iterdir()) == ["latency.json", "latency.json.partial"]
+  measured = []
+  monkeypatch.setattr(latency, "measure", lambda dec, *a, **k: measured.append(
+      dec.settings.gamma) or _record(dec.settings.gamma))
+  assert latency.main(["--gamma", "1,2,4", "--output_json", str(out)]) == 2   # another sweep
+  assert "differs in gammas" in capsys.readouterr().err and not measured
+  partial.unlink()
   monkeypatch.setattr(latency, "measure", lambda dec, *a, **k: (_ for _ in ()).throw(
-      KeyboardInterrupt) if dec.settings.gamma == 2 else _record(dec.settings.gamma))
-  assert latency.main(["--gamma", "1,2", "--output_json", str(out)]) == 130     # Ctrl-C
-  assert (f"eval.latency: interrupted after 1 of 2 gammas: {partial} holds them"
-          in capsys.readouterr().err)
-  assert latency.main(["--gamma", "1,2,4", "--output_json", str(out)]) == 130
-  monkeypatch.setattr(latency, "measure", lambda dec, *a, **k: _record(dec.settings.gamma))
-  assert latency.main(["--gamma", "1,4", "--output_json", str(out)]) == 0
-  assert [r["gamma"] for r in json.loads(out.read_text())] == [1, 4] and not partial.exists()
+      KeyboardInterrupt) if dec.settings.gamma == 2 else measured.append(
+      dec.settings.gamma) or _record(dec.settings.gamma))
+  assert latency.main(["--gamma", "1,2,4", "--output_json", str(out)]) == 130     # Ctrl-C
+  assert (f"eval.latency: interrupted after 1 of 3 gammas: {partial} keeps them for the same "
+          f"command" in capsys.readouterr().err)
+  monkeypatch.setattr(latency, "measure", lambda dec, *a, **k: measured.append(
+      dec.settings.gamma) or _record(dec.settings.gamma))
+  assert latency.main(["--gamma", "1,2,4", "--output_json", str(out)]) == 0   # resumed (F16)
+  assert measured == [1, 2, 4] and not partial.exists()
+  assert [r["gamma"] for r in json.loads(out.read_text())] == [1, 2, 4]
 
 
 def test_latency_profile_names_each_pass_and_records_cpu_ops(monkeypatch):

@@ -221,6 +221,9 @@ def sweep(points: list[tuple[Setting, methods.Method]], prompts, refs, metric, q
   return records
 
 
+QUALITY_ONLY = "the quality of every setting; the timing did not finish"
+
+
 def write(records: list[dict], output: str, quality_key: str) -> None:
   write_csv(records, f"{output}.csv")
   write_json(records, output, quality_key)
@@ -228,8 +231,10 @@ def write(records: list[dict], output: str, quality_key: str) -> None:
   print(f"wrote {output}.csv, {output}.json, {output}.png")
 
 
-def write_json(records: list[dict], output: str, quality_key: str) -> None:
-  outputs.write_json(f"{output}.json", {"quality_key": quality_key, "records": records})
+def write_json(records: list[dict], output: str, quality_key: str, partial: str = "") -> None:
+  """OUTPUT.json; `partial` says what it lacks (the quality records saved before the timing)."""
+  outputs.write_json(f"{output}.json", {"quality_key": quality_key, "records": records,
+                                        **({"partial": partial} if partial else {})})
 
 
 def check_output(prefix: str) -> str:
@@ -314,10 +319,18 @@ def main(argv=None) -> int:
     points = build_points(config, args)
     examples = source.eval_examples("validation", args.num_examples)
     key = jax.random.PRNGKey(builders.decode_settings(config).seed)
-    records = sweep(points, [p for p, _ in examples], [r for _, r in examples], metric,
-                    quality_key, key, timing_prompts=args.timing_prompts, repeats=args.repeats,
-                    batch_size=args.batch_size,
-                    save_quality=lambda done: write_json(done, output, quality_key))
+    saved = []
+    try:
+      records = sweep(points, [p for p, _ in examples], [r for _, r in examples], metric,
+                      quality_key, key, timing_prompts=args.timing_prompts, repeats=args.repeats,
+                      batch_size=args.batch_size,
+                      save_quality=lambda done: saved.append(1) or write_json(
+                          done, output, quality_key, partial=QUALITY_ONLY))
+    except KeyboardInterrupt:
+      print(f"eval.tradeoff: interrupted" + (f"; {output}.json holds the quality of every "
+                                            f"setting, marked partial (no timing)" if saved
+                                            else ""), file=sys.stderr)
+      return 130
     write(records, output, quality_key)
 
   return cli.run("eval.tradeoff", go)

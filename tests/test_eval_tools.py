@@ -355,3 +355,29 @@ def test_quality_output_is_marked_partial_until_the_last_mode(tmp_path, monkeypa
   stop_at[0] = None
   assert quality.main(["--num_examples", "2", "--output_json", str(out)]) == 0
   assert "partial" not in json.loads(out.read_text())
+
+
+def test_tradeoff_quality_saved_before_the_timing_is_marked_partial(tmp_path, monkeypatch,
+                                                                    capsys):
+  """Probe round 8: a run stopped during the timing left OUTPUT.json with the quality records
+  alone, which nothing marked as unfinished."""
+  class Source:
+    task = type("Task", (), {"metric": "rouge"})()
+    eval_examples = staticmethod(lambda split, n: [("a b", "a b")] * n)
+  monkeypatch.setattr(tradeoff, "load_config", lambda *a: type("C", (), {})())
+  monkeypatch.setattr(tradeoff, "input_paths", lambda *a: {})
+  monkeypatch.setattr(tradeoff.resolve, "eval_source", lambda config: Source())
+  monkeypatch.setattr(tradeoff, "build_points", lambda config, args: [])
+  monkeypatch.setattr(tradeoff.builders, "decode_settings",
+                      lambda config: builders.DecodeSettings())
+
+  def sweep(points, prompts, refs, metric, quality_key, key, save_quality, **kw):
+    save_quality([{"curve": "target", "quality": 30.0}])
+    raise KeyboardInterrupt                      # during the timing
+
+  monkeypatch.setattr(tradeoff, "sweep", sweep)
+  out = tmp_path / "fuzzy"
+  assert tradeoff.main(["--output", str(out), "--num_examples", "2"]) == 130
+  assert "holds the quality of every setting, marked partial" in capsys.readouterr().err
+  report = json.loads((tmp_path / "fuzzy.json").read_text())
+  assert report["partial"] == tradeoff.QUALITY_ONLY and report["records"][0]["quality"] == 30.0

@@ -322,11 +322,18 @@ class DamagedCheckpointError(ValueError):
     self.checkpoints, self.failed = checkpoints, failed
     steps = "; ".join(f"step {step} ({checkpoints / str(step)}): {reason}"
                       for step, reason in failed)
-    super().__init__(
-        f"no checkpoint in {checkpoints} can be restored: {steps}. If they are damaged, move "
-        f"them away (mv {checkpoints} {checkpoints.parent / DAMAGED_DIR}) and rerun to start "
-        f"over; if this run's settings differ from theirs (--config.train.optimizer, say), rerun "
-        f"with the settings that wrote them")
+    settings = ("if this run's settings differ from theirs (--config.train.optimizer, say), "
+                "rerun with the settings that wrote them")
+    damaged = (f"move them away (mv {checkpoints} {checkpoints.parent / DAMAGED_DIR}) and rerun "
+               f"to start over")
+    if all("tree structure" in reason for _, reason in failed):
+      # Every file read; only the state's layout differs: another optimizer, not damage.
+      super().__init__(f"no checkpoint in {checkpoints} holds this run's training state: "
+                       f"{steps}. They read, but their state is laid out otherwise: {settings}; "
+                       f"to start over instead, {damaged}")
+    else:
+      super().__init__(f"no checkpoint in {checkpoints} can be restored: {steps}. If they are "
+                       f"damaged, {damaged}; {settings}")
 
 
 def _first_line(err: Exception, limit: int = 200) -> str:

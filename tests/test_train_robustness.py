@@ -369,6 +369,19 @@ def test_no_good_checkpoint_is_refused_naming_each_and_nothing_moves(tmp_path):
   assert saved_steps(tmp_path) == [2, 3] and not (tmp_path / "checkpoints.damaged").exists()
 
 
+def test_checkpoints_of_another_optimizer_are_not_called_damaged(tmp_path):
+  """Probe round 8: a workdir whose run.json predates the optimizer field, resumed with another
+  optimizer, was told its checkpoints might be damaged and offered to move them away first."""
+  tr, params = pretrainer(tmp_path)
+  tr.run(params)
+  tr, params = pretrainer(tmp_path, steps=4, optimizer="adamw")
+  with pytest.raises(checkpoint.DamagedCheckpointError) as err:
+    tr.run(params)
+  assert str(err.value).startswith(f"no checkpoint in {tmp_path / 'checkpoints'} holds this "
+                                   f"run's training state")
+  assert "laid out otherwise: if this run's settings differ from theirs" in str(err.value)
+
+
 def test_a_workdir_without_run_record_or_metadata_is_adopted_with_a_warning(tmp_path, caplog):
   """Item 6: exported params only (no checkpoint metadata to tell the job): adopted, warned."""
   (tmp_path / "params").mkdir()

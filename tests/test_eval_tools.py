@@ -324,17 +324,21 @@ def test_versus_never_replaces_its_inputs_or_one_output_by_the_other(tmp_path, c
   assert config.read_text() == kept and not (tmp_path / "x").exists()
 
 
-def test_quality_output_is_marked_partial_until_the_last_mode(tmp_path, monkeypatch, capsys):
-  """A kill after the first mode leaves a file marked partial (modes_done 1 of 3); Ctrl-C exits
-  130 and names it; a finished run's file has no mark."""
+def _stub_inputs(monkeypatch, tool) -> None:
+  """A tool's config, inputs and evaluation data stubbed: two-word examples, ROUGE."""
   class Source:
     task = type("Task", (), {"metric": "rouge"})()
     eval_examples = staticmethod(lambda split, n: [("a b", "a b")] * n)
-  monkeypatch.setattr(quality, "load_config", lambda *a: type("C", (), {})())
-  monkeypatch.setattr(quality, "input_paths", lambda *a: {})
-  monkeypatch.setattr(quality.resolve, "eval_source", lambda config: Source())
-  monkeypatch.setattr(quality.builders, "decode_settings",
-                      lambda config: builders.DecodeSettings())
+  monkeypatch.setattr(tool, "load_config", lambda *a: type("C", (), {})())
+  monkeypatch.setattr(tool, "input_paths", lambda *a: {})
+  monkeypatch.setattr(tool.resolve, "eval_source", lambda config: Source())
+  monkeypatch.setattr(tool.builders, "decode_settings", lambda config: builders.DecodeSettings())
+
+
+def test_quality_output_is_marked_partial_until_the_last_mode(tmp_path, monkeypatch, capsys):
+  """A kill after the first mode leaves a file marked partial (modes_done 1 of 3); Ctrl-C exits
+  130 and names it; a finished run's file has no mark."""
+  _stub_inputs(monkeypatch, quality)
   monkeypatch.setattr(quality, "decoders", lambda config: {"target": 0, "draft_only": 1,
                                                            "sd_exact": 2})
   seen, stop_at = [], [1]
@@ -361,15 +365,8 @@ def test_tradeoff_quality_saved_before_the_timing_is_marked_partial(tmp_path, mo
                                                                     capsys):
   """Probe round 8: a run stopped during the timing left OUTPUT.json with the quality records
   alone, which nothing marked as unfinished."""
-  class Source:
-    task = type("Task", (), {"metric": "rouge"})()
-    eval_examples = staticmethod(lambda split, n: [("a b", "a b")] * n)
-  monkeypatch.setattr(tradeoff, "load_config", lambda *a: type("C", (), {})())
-  monkeypatch.setattr(tradeoff, "input_paths", lambda *a: {})
-  monkeypatch.setattr(tradeoff.resolve, "eval_source", lambda config: Source())
+  _stub_inputs(monkeypatch, tradeoff)
   monkeypatch.setattr(tradeoff, "build_points", lambda config, args: [])
-  monkeypatch.setattr(tradeoff.builders, "decode_settings",
-                      lambda config: builders.DecodeSettings())
 
   def sweep(points, prompts, refs, metric, quality_key, key, save_quality, **kw):
     save_quality([{"curve": "target", "quality": 30.0}])

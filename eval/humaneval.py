@@ -353,10 +353,11 @@ def resume(kept, problems: int, n_methods: int) -> dict:
   state = kept.load(lambda st: _not_state(st, problems, n_methods)) if kept else None
   if state is None:
     return {"reports": [], "decoding": None}
-  decoding = state.get("decoding") or {"out": []}
+  decoding = state.get("decoding") or {"out": [], "round": []}
   done = sum(o.get("done", False) for o in decoding["out"] if isinstance(o, dict))
-  log.info("resuming from %s: %d of %d methods finished, %d of %d completions of the next",
-           kept.path, len(state["reports"]), n_methods, done, problems)
+  log.info("resuming from %s: %d of %d methods finished; of the next, %d of %d completions "
+           "finished and %d rows of the round in flight", kept.path, len(state["reports"]),
+           n_methods, done, problems, len(decoding["round"]))
   return state
 
 

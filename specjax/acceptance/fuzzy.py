@@ -129,8 +129,11 @@ class Fuzzy(base.Rule):
   # ---------------------------------------------------------------- verification
 
   def divergences(self, p_logp: jax.Array, q_logp: jax.Array) -> jax.Array:
-    """Div(p, q) over the last axis from packed log-probs ([..., V] or [..., 2V]) -> [...] f32."""
-    return self.divergence_fn()(self._split(p_logp)[1], self._split(q_logp)[1])
+    """Div(p, q) over the last axis from packed log-probs ([..., V] or [..., 2V]) -> [...] f32,
+    at least 0: equal p and q gave KL, JS or js_m of -1e-8 in float32 rounding, which the strict
+    `< 0` of threshold 0 (target only) accepted."""
+    d = self.divergence_fn()(self._split(p_logp)[1], self._split(q_logp)[1])
+    return jnp.maximum(d, 0.0)
 
   def rejection_log_probs(self, p_n: jax.Array, q_n: jax.Array) -> jax.Array:
     """The law of the token emitted after a rejection: FSD uses the target's own warped p."""

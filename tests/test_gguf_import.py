@@ -461,3 +461,25 @@ def test_smollm2_real_weights():
   ids = tok.encode("The capital of France is")
   logits, _, _ = model.prefill(params, Prompt.from_lists([ids]), model.init_cache(1, 32))
   assert tok.decode([int(np.argmax(logits[0]))]).strip() == "Paris"
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_a_prompt_starts_with_bos_only_where_the_tokenizer_adds_one(written, tmp_path, add_bos):
+  """Probe round 10: every Qwen prompt got a leading <|endoftext|> (the BOS id) though the GGUF
+  says add_bos_token false and transformers adds none. The flag is honoured from the GGUF, and
+  from a tokenizer directory by what its own encoding with special tokens does (the converted
+  directory keeps it)."""
+  import types
+  from specjax.models import prompting
+  ckpt = gguf_import.GGUFCheckpoint(written[2])
+  meta = types.SimpleNamespace(path=ckpt.path, metadata={
+      **ckpt.metadata, "tokenizer.ggml.add_bos_token": add_bos})
+  assert gguf_tokenizer.adds_bos(meta.metadata) is add_bos
+  built = gguf_tokenizer.build(meta)
+  assert (built.encode("ok")[:1] == [0]) is add_bos                  # with special tokens
+  built.save_pretrained(str(tmp_path))
+  tok = tokenizer_lib.HFTokenizer.load(tmp_path)
+  assert tok.add_bos is add_bos and tok.bos_id == 0
+  ids = prompting.encode(tok, "ok", encoder_decoder=False)
+  assert ids == [0] * add_bos + tok.encode("ok")
+  assert tokenizer_lib.get_tokenizer(str(written[2])).add_bos is False   # the file's own flag

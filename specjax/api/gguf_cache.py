@@ -23,7 +23,7 @@ from specjax.models import gguf_import
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2      # 2: the tokenizer adds BOS where the GGUF says add_bos_token
 MANIFEST = "converted-files.json"    # the files a conversion wrote -> their sizes
 
 

@@ -17,10 +17,17 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _PRE_TOKENIZERS = ("default", "gpt2", "qwen2", "llama-bpe", "llama3", "smollm")
 
 
+def adds_bos(meta: dict) -> bool:
+  """Whether text is encoded with a leading BOS: tokenizer.ggml.add_bos_token, which a byte-level
+  BPE vocabulary (all that specjax builds) leaves false when absent, as llama.cpp does. Qwen2.5
+  sets it false: a leading <|endoftext|> was prepended to every prompt before."""
+  return bool(meta.get("tokenizer.ggml.add_bos_token", False))
+
+
 def build(ckpt: GGUFCheckpoint):
   """A transformers fast tokenizer from the metadata (byte-level BPE only)."""
   from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-  from tokenizers import pre_tokenizers
+  from tokenizers import pre_tokenizers, processors
   meta = ckpt.metadata
   kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
   if kind != "gpt2":
@@ -64,6 +71,11 @@ def build(ckpt: GGUFCheckpoint):
                       f"{outside[0]} is outside its {len(tokens)} tokens "
                       f"(tokenizer.ggml.tokens): the file is damaged; re-download or re-export it")
   name = lambda i: tokens[i] if i is not None else None
+  if adds_bos(meta) and ids["bos_token_id"] is not None:
+    # What llama.cpp and the source tokenizer do: encoding with special tokens starts with BOS.
+    bos = name(ids["bos_token_id"])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids["bos_token_id"])])
   eos = ids["eos_token_id"]
   with TRANSFORMERS:
     import transformers

@@ -189,6 +189,8 @@ class HFTokenizer:
   eos_ids: tuple[int, ...]
   bos_id: int
   pad_id: int
+  add_bos: bool = True           # whether a model input starts with bos_id (the tokenizer's own
+                                 # encoding with special tokens does: Llama yes, Qwen and GPT-2 no)
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> "HFTokenizer":
@@ -221,7 +223,8 @@ class HFTokenizer:
                        "tokenizer_config.json or eos_token_id in its generation_config.json")
     return cls(path=str(path), tok=tok, eos_ids=eos_ids,
                bos_id=_first_id(tok.bos_token_id, generation.get("bos_token_id"), eos_ids[0]),
-               pad_id=_first_id(tok.pad_token_id, generation.get("pad_token_id"), eos_ids[0]))
+               pad_id=_first_id(tok.pad_token_id, generation.get("pad_token_id"), eos_ids[0]),
+               add_bos=_adds_bos(tok))
 
   @classmethod
   def from_gguf(cls, path: str | os.PathLike) -> "HFTokenizer":
@@ -236,7 +239,8 @@ class HFTokenizer:
       raise ValueError(f"the GGUF file {path} defines no EOS token (tokenizer.ggml.eos_token_id)")
     return cls(path=str(path), tok=gguf_tokenizer.build(ckpt), eos_ids=eos_ids,
                bos_id=_first_id(ids.get("bos_token_id"), eos_ids[0]),
-               pad_id=_first_id(ids.get("pad_token_id"), eos_ids[0]))
+               pad_id=_first_id(ids.get("pad_token_id"), eos_ids[0]),
+               add_bos=gguf_tokenizer.adds_bos(ckpt.metadata))
 
   @property
   def vocab_size(self) -> int:
@@ -330,6 +334,17 @@ def same_vocabulary(a, b) -> bool:
     return True
   files = _fast_files_digest(a)
   return (files is not None and files == _fast_files_digest(b)) or a.fingerprint == b.fingerprint
+
+
+def _adds_bos(tok) -> bool:
+  """Whether a transformers tokenizer starts its encoding with special tokens with BOS (what
+  transformers' generate feeds the model for a text): Llama's do; Qwen2's and GPT-2's add none,
+  though they name a BOS token."""
+  bos = tok.bos_token_id
+  if bos is None:
+    return False
+  plain, special = (tok.encode("a", add_special_tokens=flag) for flag in (False, True))
+  return special[:1] == [bos] and plain[:1] != [bos]
 
 
 def _generation_config(path: str | os.PathLike) -> dict:

@@ -37,8 +37,10 @@ class Prompt:
 
 
 def has_bos(tokenizer) -> bool:
+  """Whether a decoder-only model's input starts with the tokenizer's BOS: it has one, and its
+  own encoding adds it (`add_bos`, False for Qwen and GPT-2 tokenizers; SentencePiece: True)."""
   bos = getattr(tokenizer, "bos_id", None)
-  return bos is not None and bos >= 0
+  return bos is not None and bos >= 0 and getattr(tokenizer, "add_bos", True)
 
 
 def eos_ids(tokenizer) -> tuple[int, ...]:

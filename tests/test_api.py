@@ -557,3 +557,22 @@ def test_warp_values_per_prompt_are_checked(models):
     specjax.generate(models["target"], PROMPTS, temperature=[0.5, 1.0])
   with pytest.raises(specjax.UsageError, match=r"top_p"):
     specjax.generate(models["target"], PROMPTS, top_p=[0.5, 1.0, 1.5])
+
+
+def test_transformers_names_and_chat_messages_are_refused_naming_what_does_their_job(models):
+  """Probe round 10: do_sample, num_beams, repetition_penalty, eos_token_id were refused as "a
+  rule's argument needs a draft"; SpeculativeDecoder.generate raised a bare TypeError; a list of
+  chat messages was 'not a mix or other types'."""
+  target = models["target"]
+  with pytest.raises(specjax.UsageError, match=r"generate\(\) has no argument 'do_sample' "
+                     r"\(transformers generate's\): temperature=0 decodes greedily"):
+    specjax.generate(target, PROMPTS, do_sample=False)
+  with pytest.raises(specjax.UsageError, match="'num_beams'.*no beam search"):
+    specjax.SpeculativeDecoder(target, models["draft"]).generate(PROMPTS, num_beams=4)
+  with pytest.raises(specjax.UsageError, match="'repetition_penalty'.*no logits processors"):
+    specjax.SpeculativeDecoder(target, repetition_penalty=1.2)
+  with pytest.raises(specjax.UsageError, match=r"has no argument 'max_newtokens': did you mean "
+                     r"'max_new_tokens'"):
+    specjax.SpeculativeDecoder(target).generate(PROMPTS, max_newtokens=4)
+  with pytest.raises(specjax.UsageError, match="a prompt is a list of chat messages"):
+    specjax.SpeculativeDecoder(target).generate([[{"role": "user", "content": "hi"}]], chat=True)

@@ -27,3 +27,4 @@ def test_fuzzy_threshold_0_accepts_nothing_from_a_draft_equal_to_the_target(dive
                              warp=Warp(1.0), eos_id=0)
   totals = out.stats.totals()
   assert totals["drafted"] > 0 and totals["accepted"] == 0, totals
+

@@ -83,6 +83,7 @@ class SpeculativeDecoder:
       raise UsageError(f"mesh={mesh!r}: pass a jax.sharding.Mesh with axes ('data', 'model') "
                        f"(specjax.sharding.make_mesh(data, model)), or None for one device")
     _check_draft_args(draft, gamma=gamma, draft_confidence=draft_confidence)
+    _refuse_transformers_names(rule_args, rule, "SpeculativeDecoder()")
     base = _settings(gamma=4 if gamma is None else gamma, max_len=max_len)
     method = _method(target, draft, rule, rule_args, base, mesh)
     self.method = dataclasses.replace(method, arg_prefix="", settings=_replace(
@@ -97,7 +98,7 @@ class SpeculativeDecoder:
                temperature: float | Sequence[float] = 1.0, top_k: int | Sequence[int] = 0,
                top_p: float | Sequence[float] = 1.0, seed: int = 0, batch_size: int | None = None,
                chat: bool = False, stop: str | Sequence[str] = (), stream: Stream | None = None,
-               truncate: str = "") -> Result:
+               truncate: str = "", **unknown) -> Result:
     """Decode `prompts` (strings, or lists of token ids fed as they are, BOS included where the
     model wants one) -> Result (texts, generated ids and stats, in prompt order).
 
@@ -111,7 +112,13 @@ class SpeculativeDecoder:
     that end a row (the text is cut before the first).
     stream(i, text): called with prompt i's new text as it is committed (methods with a loop of
     their own: once, when the row is done). truncate: "" refuses a prompt the cache cannot
-    hold, "left" keeps its last tokens."""
+    hold, "left" keeps its last tokens. Any other keyword is refused (UsageError), naming the
+    argument that does its job (transformers' do_sample, max_length, ...)."""
+    _refuse_transformers_names(unknown, None, ".generate()")
+    for name in unknown:
+      near = difflib.get_close_matches(name, _DECODE_ARGS, n=1)
+      raise UsageError(f".generate() has no argument {name!r}" + (
+          f": did you mean {near[0]!r}?" if near else f" (it takes {', '.join(_DECODE_ARGS)})"))
     _check_stream(stream)
     rows = _check_prompts(prompts, self.method, chat)
     warp = _warp_values(len(rows), temperature=temperature, top_k=top_k, top_p=top_p)
@@ -136,6 +143,7 @@ def generate(target: LoadedModel, prompts: Prompts, *,
   (the decode arguments of SpeculativeDecoder.generate; every other name is a rule argument).
   Build a SpeculativeDecoder yourself to decode several times with one set of models."""
   decode_args = {k: kwargs.pop(k) for k in list(kwargs) if k in _DECODE_ARGS}
+  _refuse_transformers_names(kwargs, rule, "generate()")
   for name in set(kwargs) - _rule_arg_names(rule):
     near = difflib.get_close_matches(name, _DECODE_ARGS + _DECODER_ARGS, n=1)
     if near:
@@ -144,6 +152,36 @@ def generate(target: LoadedModel, prompts: Prompts, *,
   decoder = SpeculativeDecoder(target, draft, rule=rule, gamma=gamma, mesh=mesh,
                                max_len=max_len, draft_confidence=draft_confidence, **kwargs)
   return decoder.generate(prompts, **decode_args)
+
+
+# transformers generate's names that specjax spells otherwise, or does not do (docs/api.md):
+# without this they read as a rule's hyperparameters ("do_sample (a rule's argument) needs a
+# draft"), or as a bare TypeError from SpeculativeDecoder.generate.
+TRANSFORMERS_NAMES = {
+    "do_sample": "temperature=0 decodes greedily, temperature > 0 samples",
+    "max_length": "max_new_tokens=N counts the new tokens (max_length counted the prompt too)",
+    "num_beams": "specjax decodes one sequence per prompt: no beam search",
+    "num_return_sequences": "repeat the prompt in the list (each row draws its own sample)",
+    "repetition_penalty": "no logits processors beyond temperature, top_k and top_p",
+    "no_repeat_ngram_size": "no logits processors beyond temperature, top_k and top_p",
+    "eos_token_id": "every end id of the target's tokenizer ends a row; stop=[...] adds strings",
+    "stop_strings": "stop=[...]",
+    "streamer": "stream=lambda i, text: ...",
+    "assistant_model": "draft=specjax.load(...)",
+    "prompt_lookup_num_tokens": "draft='ngram', gamma=K",
+    "num_assistant_tokens": "gamma=K",
+    "assistant_confidence_threshold": "draft_confidence=C",
+    "input_ids": "pass the id lists as prompts",
+    "generation_config": "pass its values as arguments",
+}
+
+
+def _refuse_transformers_names(kwargs: dict, rule, where: str) -> None:
+  """UsageError for a transformers generate argument that is not the rule's own, naming what
+  does its job here."""
+  for name in sorted(set(kwargs) & set(TRANSFORMERS_NAMES) - _rule_arg_names(rule)):
+    raise UsageError(f"{where} has no argument {name!r} (transformers generate's): "
+                     f"{TRANSFORMERS_NAMES[name]} (docs/api.md, \"transformers' names\")")
 
 
 def _rule_arg_names(rule) -> set[str]:
@@ -396,6 +434,12 @@ def _check_prompts(prompts, method: Method, chat: bool) -> list:
   empty = [i for i, p in enumerate(prompts) if isinstance(p, (list, tuple)) and not len(p)]
   if empty:
     raise UsageError(f"prompt {empty[0]} is empty: give at least one token id")
+  messages = lambda p: isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) for m in p)
+  if any(messages(p) for p in prompts):
+    raise UsageError("a prompt is a list of chat messages: specjax takes each prompt as one "
+                     "text, and chat=True makes it one user turn in the target's chat template "
+                     "(with the template's default system turn). For a system prompt or several "
+                     "turns, write the template's text yourself and pass it with chat=False")
   if not all(_is_ids(p) for p in prompts):
     raise UsageError("prompts must be all strings or all lists of token ids (ints >= 0), not "
                      "a mix or other types")

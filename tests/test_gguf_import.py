@@ -380,6 +380,21 @@ def test_a_damaged_conversion_is_converted_again(written, tmp_path, monkeypatch,
   assert gguf_cache.hf_dir(written[2]) == out
 
 
+def test_a_conversion_by_an_older_converter_is_removed(written, tmp_path, monkeypatch):
+  """The converter's version went to 2 (the BOS post-processor): the real pair's version-1
+  directories (4.6 GB) would have stayed in the cache for good."""
+  from specjax.api import gguf_cache
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+  path = written[2].resolve()
+  old = gguf_cache._converted(path, path.stat(), gguf_cache.CONVERTER_VERSION - 1)
+  old.mkdir(parents=True)
+  (old / "config.json").write_text("{}")
+  other = old.with_name(old.name + "x")           # another file's conversion: kept
+  other.mkdir()
+  out = gguf_cache.hf_dir(written[2])
+  assert out != old and not old.exists() and other.exists() and (out / "config.json").exists()
+
+
 def test_converted_directory_loads_in_transformers(written, tmp_path):
   _, hf_model, path, _, _ = written
   ckpt = gguf_import.GGUFCheckpoint(path)

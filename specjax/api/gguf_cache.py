@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from rich.console import Console
@@ -31,16 +32,31 @@ def hf_dir(gguf_path: Path) -> Path:
   """The converted directory of a GGUF file, converting it on first use."""
   path = Path(gguf_path).resolve()
   stat = path.stat()
-  key = settings_key({"path": str(path), "size": stat.st_size, "mtime": stat.st_mtime_ns,
-                      "v": CONVERTER_VERSION})
-  out = cache_dir() / "gguf" / f"{path.stem}-{key}"
+  out = _converted(path, stat, CONVERTER_VERSION)
   if _intact(out):
     return out
   with build_lock(f"gguf-{out.name}"):       # another process may be converting it
     if not _intact(out, path):
       _convert(path, stat, out)
       _write_manifest(out)
+      _remove_older(path, stat)
   return out
+
+
+def _converted(path: Path, stat, version: int) -> Path:
+  """The directory of `path`'s conversion by converter `version`."""
+  key = settings_key({"path": str(path), "size": stat.st_size, "mtime": stat.st_mtime_ns,
+                      "v": version})
+  return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def _remove_older(path: Path, stat) -> None:
+  """Remove this file's conversions by older converters (the real pair's are 4.6 GB)."""
+  for version in range(1, CONVERTER_VERSION):
+    stale = _converted(path, stat, version)
+    if stale.exists():
+      log.info("removing %s: this GGUF's conversion by an older specjax", stale)
+      shutil.rmtree(stale, ignore_errors=True)
 
 
 def _intact(out: Path, source: Path | None = None) -> bool:

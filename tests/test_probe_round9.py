@@ -28,3 +28,17 @@ def test_fuzzy_threshold_0_accepts_nothing_from_a_draft_equal_to_the_target(dive
   totals = out.stats.totals()
   assert totals["drafted"] > 0 and totals["accepted"] == 0, totals
 
+
+
+def test_a_prompt_past_a_rotary_models_trained_context_is_warned_about(caplog):
+  """Probe round 10: nothing bounds a rotary model's prompt (no position table); a 116k-token
+  prompt for Qwen (trained for 32,768) was padded to 131,072 positions without a word."""
+  import types
+  from specjax.api import prompt_fit
+  model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=64))
+  with caplog.at_level("WARNING", logger=prompt_fit.__name__):
+    prompt_fit.warn_past_context(model, "the target", 60, 4, "")
+    assert not caplog.records
+    prompt_fit.warn_past_context(model, "the target", 60, 5, "")
+  assert "a prompt of 60 tokens and 5 new tokens run past the 64 positions the target was " \
+      "trained for" in caplog.text and "truncate='left' with max_len=64" in caplog.text

@@ -240,6 +240,8 @@ class Method:
                    + reserve.fixed)
       prompt_fit.check_cache_memory(loaded.model, self.role(loaded), batch, positions,
                                     wide if encoder_decoder else 0, new, self.arg_prefix)
+      prompt_fit.warn_past_context(loaded.model, self.role(loaded), max(map(len, rows)), new,
+                                   self.arg_prefix)
     return prompt
 
   def _rows(self, loaded: LoadedModel, texts) -> list[list[int]]:

@@ -143,6 +143,20 @@ def memory_bytes() -> int:
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def warn_past_context(model, model_name: str, prompt_len: int, max_new_tokens: int,
+                      prefix: str) -> None:
+  """Log a warning where the longest prompt and its new tokens run past the context a rotary
+  model was trained for (config's max_position_embeddings: Qwen2.5, 32,768): nothing bounds them
+  there, and a 116k-token prompt was padded to 131,072 positions without a word."""
+  trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+  if isinstance(trained, int) and prompt_len + max_new_tokens > trained:
+    log.warning("a prompt of %d tokens and %d new tokens run past the %d positions %s was "
+                "trained for (max_position_embeddings): its text there is unreliable, and the "
+                "cache and the time grow with it; %struncate='left' with %smax_len=%d keeps the "
+                "last tokens", prompt_len, max_new_tokens, trained, model_name, prefix, prefix,
+                trained)
+
+
 def check_cache_memory(model, model_name: str, batch: int, positions: int, enc_len: int,
                        max_new_tokens: int, prefix: str) -> None:
   """UsageError naming max_new_tokens when `model`'s KV cache of `positions` x `batch` rows

@@ -133,7 +133,9 @@ class Warp:
       p = _per_row(self.top_p, logits)
       masked = _top_p_mask(z, p)
       z = jnp.where(p < 1, masked, z) if jnp.ndim(p) else masked     # per row: 1 is off
-    return jax.nn.log_softmax(z, axis=-1)
+    # Every row's largest z is exactly 0 (shifted above; the masks keep the top token; a greedy
+    # row's one-hot is 0 there), so normalizing needs no second max over the vocabulary.
+    return z - jnp.log(jnp.sum(jnp.exp(z), axis=-1, keepdims=True))
 
   def sample(self, logits: jax.Array, keys: jax.Array) -> jax.Array:
     """logits [B, V], keys [B] (one per row) -> int32 [B]."""

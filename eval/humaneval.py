@@ -154,7 +154,7 @@ def decode(method, problems: list[dict], seed: int, batch_size: int, max_new_tok
                                  jax.random.fold_in(key, out[active[0]]["tokens"]), batch_size,
                                  done=done_rows, on_batch=keep)
     done_rows = []
-    for i, (_, ids, text, stats) in zip(active, rows):
+    for i, (_, ids, text, stats, *_) in zip(active, rows):
       out[i]["text"] += text
       out[i]["tokens"] += len(ids)
       out[i]["stats"].append(stats)

@@ -66,9 +66,9 @@ def main(argv=None) -> int:
     try:
       for mode, method in chosen.items():
         rows = runner.generate_texts(method, prompts, key, args.batch_size)
-        scores = metrics.evaluate(metric, [text for _, _, text, _ in rows], refs)
+        scores = metrics.evaluate(metric, [text for _, _, text, _, _ in rows], refs)
         report["modes"][mode] = {**scores, "examples": len(rows),
-                                 **runner.aggregate([st for _, _, _, st in rows])}
+                                 **runner.aggregate([st for _, _, _, st, _ in rows])}
         print(f"{mode:>20}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()), flush=True)
         # Marked partial until the last mode is in: a killed run's file says it is incomplete.
         report.pop("partial", None)

@@ -118,8 +118,8 @@ def measure_quality(method: methods.Method, prompts: list[str], refs: list[str],
                     quality_key: str, key, batch_size: int) -> dict:
   """Task quality and decoding statistics of one method (batched)."""
   rows = runner.generate_texts(method, prompts, key, batch_size)
-  scores = metrics.evaluate(metric, [text for _, _, text, _ in rows], refs)
-  stats = runner.aggregate([st for _, _, _, st in rows])
+  scores = metrics.evaluate(metric, [text for _, _, text, _, _ in rows], refs)
+  stats = runner.aggregate([st for _, _, _, st, _ in rows])
   alpha = stats.get("acceptance_rate")
   return {"quality": scores[quality_key], **scores,
           "alpha": float("nan") if alpha is None else alpha,

@@ -63,6 +63,36 @@ def test_greedy_speculative_decoding_equals_the_target_alone(models):
   assert len(alone.row_stats) == len(PROMPTS)
 
 
+def test_finish_reasons_say_why_each_row_ended(models):
+  """finish_reasons: "length" where a row generated max_new_tokens, "stop" where it ended at an
+  end-of-sequence id or a stop string (vLLM's and OpenAI's finish_reason)."""
+  eos = set(prompting.eos_ids(models["target"].tokenizer))
+  out = specjax.generate(models["target"], PROMPTS, temperature=0, max_new_tokens=12)
+  assert out.finish_reasons == ["stop" if eos & set(ids) else "length" for ids in out.tokens]
+  assert all(len(ids) == 12 for ids, why in zip(out.tokens, out.finish_reasons)
+             if why == "length")
+  row = next(i for i, t in enumerate(out.texts) if len(t.strip()) > 2)
+  stop = out.texts[row].strip()[1:3]
+  cut = specjax.generate(models["target"], PROMPTS, temperature=0, max_new_tokens=12, stop=stop)
+  assert cut.finish_reasons[row] == "stop" and stop not in cut.texts[row]
+
+
+@pytest.mark.parametrize("ids, stop, expected", [
+    (b"abc", (), ("abc", "length")), (b"ab\x00", (), ("ab", "stop")),
+    (b"abcd", ("bc",), ("a", "stop")), (b"a\x00", ("zz",), ("a", "stop"))])
+def test_final_text_names_the_finish_reason(ids, stop, expected):
+  """A row ends at an end-of-sequence id (not decoded) or a stop string ("stop"), else at
+  max_new_tokens ("length")."""
+  from specjax.api import streaming
+
+  class Bytes:
+    eos_ids, eos_id = (0,), 0
+    decode = staticmethod(lambda ids: bytes(ids).decode())
+
+  done = streaming.final_text(Bytes(), list(ids), stop)
+  assert (done.text, done.finish_reason) == expected
+
+
 def test_results_do_not_depend_on_batch_size(models):
   decoder = specjax.SpeculativeDecoder(models["target"], models["draft"], rule="exact", gamma=3)
   one = decoder.generate(PROMPTS, max_new_tokens=10, seed=7, batch_size=1)

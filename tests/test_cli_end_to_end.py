@@ -128,6 +128,7 @@ def test_decode_prints_stats_and_writes_json(pair, default_run):
   tokens, stats = result["tokens"], result["stats"]
   assert 1 <= len(tokens) <= MAX_NEW and all(0 <= t < VOCAB for t in tokens)
   assert result["text"] == Tokenizer.load(pair["spm"]).decode(tokens)
+  assert result["finish_reason"] == ("length" if len(tokens) == MAX_NEW else "stop")
   assert result["text"] in proc.stdout
   assert set(COUNTERS) <= set(stats)
   assert stats["emitted"] == len(tokens) == int(match.group(1))

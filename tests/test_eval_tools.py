@@ -347,7 +347,7 @@ def test_quality_output_is_marked_partial_until_the_last_mode(tmp_path, monkeypa
     if method == stop_at[0]:
       raise KeyboardInterrupt
     seen.append(json.loads(out.read_text()) if out.exists() else None)
-    return [(p, [1], "a b", {}) for p in prompts]
+    return [(p, [1], "a b", {}, "stop") for p in prompts]
 
   monkeypatch.setattr(quality.runner, "generate_texts", generate)
   out = tmp_path / "quality.json"

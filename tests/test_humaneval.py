@@ -224,9 +224,9 @@ def test_decoding_in_chunks_stops_finished_completions(monkeypatch):
     calls.append(list(prompts))
     n = method.settings.max_new_tokens
     if len(calls) == 1:
-      return [(p, [5] * n, "    x = 1\n", {"emitted": n}) for p in prompts]
-    return [(prompts[0], [5] * n, "    return x\n\ndef g():\n", {"emitted": n}),
-            (prompts[1], [5, 0], "    return 2\n", {"emitted": 2})]
+      return [(p, [5] * n, "    x = 1\n", {"emitted": n}, "length") for p in prompts]
+    return [(prompts[0], [5] * n, "    return x\n\ndef g():\n", {"emitted": n}, "length"),
+            (prompts[1], [5, 0], "    return 2\n", {"emitted": 2}, "stop")]
 
   monkeypatch.setattr(humaneval.runner, "generate_texts", generate)
   problems = [{"prompt": "def f():\n"}, {"prompt": "def h():\n"}]
@@ -245,7 +245,7 @@ def test_cli_reports_pass_at_1(problems, tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(humaneval.methods, "build", lambda config: _Stub())
   texts = list(COMPLETIONS.values())
   monkeypatch.setattr(humaneval.runner, "generate_texts", lambda method, prompts, key, batch, **_:
-                      [(p, [1, 2, 3], t, {}) for p, t in zip(prompts, texts)])
+                      [(p, [1, 2, 3], t, {}, "stop") for p, t in zip(prompts, texts)])
   out = tmp_path / "report.json"
   assert humaneval.main(["--config", "tiny.py", "--problems", str(problems), "--limit", "2",
                          "--timeout_s", "2", "--output_json", str(out)]) == 0
@@ -308,7 +308,7 @@ def test_samples_repeat_each_problem_and_pass_at_1_is_their_mean(problems, tmp_p
   def generate(method, prompts, key, batch, **_):
     seen.extend(prompts)
     texts = [COMPLETIONS["pass"], COMPLETIONS["fail"], COMPLETIONS["pass"]] * 2
-    return [(p, [1, 2, 3], t, {}) for p, t in zip(prompts, texts)]
+    return [(p, [1, 2, 3], t, {}, "stop") for p, t in zip(prompts, texts)]
 
   monkeypatch.setattr(humaneval.runner, "generate_texts", generate)
   out = tmp_path / "report.json"

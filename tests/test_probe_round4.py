@@ -11,6 +11,7 @@ import types
 import pytest
 
 from eval import agreement, flags, humaneval, versus
+from specjax.api.results import Row
 from specjax.app import runner
 from specjax.app.config import ConfigError
 
@@ -18,10 +19,10 @@ PROMPTS = [f"p{i}" for i in range(5)]
 
 
 def _fake_batches(method, prompts, key, stream=None, pad_batches=True, first=0):
-  """decoder.batches' contract without models: per batch (prompts, rows of (ids, text, stats))."""
+  """decoder.batches' contract without models: per batch (prompts, Rows)."""
   for start in range(first, len(prompts), method.settings.batch_size):
     chunk = prompts[start:start + method.settings.batch_size]
-    yield chunk, [([i], f"text of {p}", {"emitted": 1}) for i, p in enumerate(chunk)]
+    yield chunk, [Row([i], f"text of {p}", {"emitted": 1}, "stop") for i, p in enumerate(chunk)]
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from specjax.api.loading import LoadedModel
 from specjax.api.methods import (Autoregressive, DecodeSettings, Method, Speculative, Sprinter,
                                  StringLevel, check_same_vocabulary, check_sprinter,
                                  formatted_text, placed)
-from specjax.api.results import Result, aggregate, stats_rows
+from specjax.api.results import Result, Row, aggregate, stats_rows
 from specjax import drafting
 from specjax.drafting import NGram
 from specjax.sprinter import verifier as sprinter_verifier
@@ -129,8 +129,9 @@ class SpeculativeDecoder:
     rows = [formatted_text(method, p) for p in rows] if chat else rows
     out = [row for _, done in batches(method, rows, jax.random.PRNGKey(seed), stream=stream)
            for row in done]
-    return Result(texts=[text for _, text, _ in out], tokens=[ids for ids, _, _ in out],
-                  stats=aggregate([st for _, _, st in out]), row_stats=[st for _, _, st in out])
+    return Result(texts=[r.text for r in out], tokens=[r.ids for r in out],
+                  stats=aggregate([r.stats for r in out]), row_stats=[r.stats for r in out],
+                  finish_reasons=[r.finish_reason for r in out])
 
 
 def generate(target: LoadedModel, prompts: Prompts, *,
@@ -236,10 +237,10 @@ _DECODER_ARGS = ("draft", "rule", "gamma", "mesh", "max_len", "draft_confidence"
 
 def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | None = None,
             pad_batches: bool = False,
-            first: int = 0) -> Iterator[tuple[int, list[tuple[list[int], str, dict]]]]:
+            first: int = 0) -> Iterator[tuple[int, list[Row]]]:
   """Decode `prompts` (texts, or id lists) in batches of method.settings.batch_size, lazily:
-  yields (index of the batch's first prompt, [(generated ids, text, stats)] per prompt) as each
-  batch finishes. Prompt i draws with fold_in(key, i). Every batch is padded to the bucket of
+  yields (index of the batch's first prompt, [Row(generated ids, text, stats, finish_reason)]
+  per prompt) as each batch finishes. Prompt i draws with fold_in(key, i). Every batch is padded to the bucket of
   the call's longest prompt, so that a call compiles one program per batch size.
   stream(i, text): prompt i's new text as it is committed (streaming methods on one device),
   the rest when its batch ends. pad_batches: the last batch is filled with repeats of its last
@@ -266,11 +267,12 @@ def batches(method: Method, prompts: list, key: jax.Array, *, stream: Stream | N
     gen = mine.generate(method.prepare(chunk, widths), keys, streamer)
     texts = method.texts(gen)[:n]
     if show is not None:
-      for b, (_, text) in enumerate(texts):
-        rest = text[streamer.rows[b].shown:] if streamer is not None else text
+      for b, done in enumerate(texts):
+        rest = done.text[streamer.rows[b].shown:] if streamer is not None else done.text
         if rest:
           show(b, rest)
-    yield start, [(ids, text, st) for (ids, text), st in zip(texts, stats_rows(gen.stats, n))]
+    yield start, [Row(done.ids, done.text, st, done.finish_reason)
+                  for done, st in zip(texts, stats_rows(gen.stats, n))]
 
 
 # ------------------------------------------------------------------------------ construction

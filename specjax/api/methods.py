@@ -268,8 +268,9 @@ class Method:
     return Prompts(target=self.encode(self.target, texts, target_w),
                    draft=None if draft is None else self.encode(draft, texts, draft_w))
 
-  def texts(self, gen: Generation) -> list[tuple[list[int], str]]:
-    """(generated ids, text) per row, each cut at its EOS and at the first of decode.stop."""
+  def texts(self, gen: Generation) -> list[streaming.Finished]:
+    """(generated ids, text, finish_reason) per row, each cut at its EOS and at the first of
+    decode.stop."""
     tok, stop = self.target.tokenizer, self.settings.stop
     return [streaming.final_text(tok, row[:n], stop)
             for row, n in zip(np.asarray(gen.tokens), np.asarray(gen.lengths))]

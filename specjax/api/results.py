@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,11 +24,22 @@ class Result:
   included, as stop strings are checked between blocks; accepted, verified, blocks, target_passes,
   draft_passes, ... as the method reports them) with acceptance_rate (alpha, accepted over
   verified) and block_efficiency (tau, emitted tokens per block) where they apply.
-  row_stats: the counters of each prompt."""
+  row_stats: the counters of each prompt. finish_reasons: per prompt "stop" (it ended at an
+  end-of-sequence id or a stop string) or "length" (it generated max_new_tokens), as vLLM's and
+  OpenAI's finish_reason."""
   texts: list[str]
   tokens: list[list[int]]
   stats: dict
   row_stats: list[dict]
+  finish_reasons: list[str]
+
+
+class Row(NamedTuple):
+  """One prompt's output as the decoding front door (api.decoder.batches) yields it."""
+  ids: list[int]
+  text: str
+  stats: dict
+  finish_reason: str
 
 
 def stats_rows(stats, batch: int) -> list[dict]:

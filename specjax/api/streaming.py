@@ -11,7 +11,7 @@ loop which rows to end.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -56,18 +56,28 @@ class RowText:
                                          if whole.endswith(s[:k])), default=0)
 
 
-def final_text(tokenizer, ids: Sequence[int], stop: tuple[str, ...]) -> tuple[list[int], str]:
-  """(ids, text) of a finished row: cut at its EOS, and at the first stop string if one appears
-  (text before it; ids up to the token that completed it)."""
+class Finished(NamedTuple):
+  """A finished row: its generated ids, its text, and why it ended: "stop" (an end-of-sequence
+  id of the tokenizer, or a stop string) or "length" (max_new_tokens generated), as vLLM's and
+  OpenAI's finish_reason."""
+  ids: list[int]
+  text: str
+  finish_reason: str
+
+
+def final_text(tokenizer, ids: Sequence[int], stop: tuple[str, ...]) -> Finished:
+  """The Finished row of generated `ids`: cut at its EOS, and at the first stop string if one
+  appears (text before it; ids up to the token that completed it)."""
   ids = [int(t) for t in ids]
   text = prompting.decode(tokenizer, ids)
   row = RowText(tokenizer, stop)
   cut = row.stop_at(text)
   if cut is None:
-    return ids, text
+    ended = bool(set(ids) & set(prompting.eos_ids(tokenizer)))
+    return Finished(ids, text, "stop" if ended else "length")
   keep = next(k for k in range(1, len(ids) + 1)
               if row.stop_at(prompting.decode(tokenizer, ids[:k])) is not None)
-  return ids[:keep], text[:cut]
+  return Finished(ids[:keep], text[:cut], "stop")
 
 
 class Streamer:

@@ -29,8 +29,8 @@ def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: 
                    done: list | None = None, on_batch: Callable[[list], None] | None = None):
   """Decode `prompts` (in the chat template with decode.chat) in batches through the API's
   decoder.batches (prompt i draws with fold_in(key, i)); returns [(prompt, generated ids, text,
-  per-row stats)], each prompt as given, each text cut at its EOS and at the first of
-  decode.stop.
+  per-row stats, finish_reason)], each prompt as given, each text cut at its EOS and at the
+  first of decode.stop, finish_reason "stop" (EOS or a stop string) or "length".
   pad_batches: the last batch is filled with repeats of its last prompt, so that every batch
   has one shape (the eval tools); rows past the prompts are dropped.
   show: each prompt's header and text go to show(str) as soon as its batch is done, or as it is
@@ -52,10 +52,10 @@ def generate_texts(method: methods.Method, prompts: list[str], key, batch_size: 
       if live:
         show(f"> {prompts[start]}\n")
       _, rows = next(pending)
-      for p, (ids, text, st) in zip(prompts[start:start + batch_size], rows):
+      for p, row in zip(prompts[start:start + batch_size], rows):
         if show is not None:
-          show("\n\n" if live else f"> {p}\n{text}\n\n")
-        out.append((p, ids, text, st))
+          show("\n\n" if live else f"> {p}\n{row.text}\n\n")
+        out.append((p, *row))
       if on_batch is not None:
         on_batch(out)
   except KeyboardInterrupt:
@@ -169,7 +169,8 @@ def decode_timed(method: methods.Method, prompts: list[str], key,
   """results, aggregated stats and timing (compile_s: tracing, lowering, compiling or fetching
   compiled programs; decode_s: the rest of the generation; tokens and ms/token: of the prompts
   decoded by this call, not those `progress` resumed) of one method on the prompts."""
-  resumed = [(r["prompt"], r["tokens"], r["text"], r["stats"]) for r in progress.rows()] \
+  resumed = [(r["prompt"], r["tokens"], r["text"], r["stats"], r.get("finish_reason"))
+             for r in progress.rows()] \
       if progress is not None else []
   on_batch = None if progress is None else (lambda rows: progress.save(_results(rows)))
   clock = timing.clock()
@@ -194,7 +195,8 @@ def decode_timed(method: methods.Method, prompts: list[str], key,
 
 
 def _results(rows: list) -> list[dict]:
-  return [{"prompt": p, "text": text, "tokens": ids, "stats": st} for p, ids, text, st in rows]
+  return [{"prompt": p, "text": text, "tokens": ids, "stats": st, "finish_reason": why}
+          for p, ids, text, st, why in rows]
 
 
 def speedup(alone: dict, spec: dict) -> float | None:

@@ -391,8 +391,31 @@ def test_a_conversion_by_an_older_converter_is_removed(written, tmp_path, monkey
   (old / "config.json").write_text("{}")
   other = old.with_name(old.name + "x")           # another file's conversion: kept
   other.mkdir()
+  params = tmp_path / "cache" / "params"
+  kept = [params / f"{old.name}-0123456789ab", params / f"{old.name}-0123456789ab.partial",
+          params / f"{old.name}x-0123456789ab", params / f"{old.name}-0123456789ab-0123456789ab"]
+  for p in kept:
+    p.mkdir(parents=True)
   out = gguf_cache.hf_dir(written[2])
   assert out != old and not old.exists() and other.exists() and (out / "config.json").exists()
+  # the params kept from the old conversion (several GB for the real pair) go with it; another
+  # directory's stay
+  assert [p.exists() for p in kept] == [False, False, True, True]
+
+
+def test_fill_in_the_middle_separators_end_a_generation():
+  """llama.cpp ends a generation at Qwen2.5-Coder's <|fim_pad|>, <|repo_name|> and <|file_sep|>
+  (and at the ids a file names as fim_pad / fim_rep / fim_sep); specjax went on past them, and
+  the text, which leaves special tokens out, joined the next file to this one."""
+  control, normal = gguf_import.CONTROL, 1
+  tokens = ["a", "<|endoftext|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>",
+            "<|file_sep|>", "<|file_sep|>", "<sep>"]
+  types = [normal] + [control] * 6 + [normal, control]
+  meta = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+          "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.bos_token_id": 1}
+  assert gguf_import.special_ids(meta)["eos_token_id"] == [2, 1, 4, 5, 6]
+  meta["tokenizer.ggml.fim_sep_token_id"] = 8          # named by the file: ends whatever its text
+  assert gguf_import.special_ids(meta)["eos_token_id"] == [2, 8, 1, 4, 5, 6]
 
 
 def test_converted_directory_loads_in_transformers(written, tmp_path):

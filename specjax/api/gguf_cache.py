@@ -20,11 +20,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specjax.data import gguf_tokenizer
 from specjax.data.cache import atomic_write_bytes, build_lock, cache_dir, settings_key
-from specjax.models import gguf_import
+from specjax.models import gguf_import, param_cache
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2      # 2: the tokenizer adds BOS where the GGUF says add_bos_token
+CONVERTER_VERSION = 3      # 2: the tokenizer adds BOS where the GGUF says add_bos_token
+                           # 3: fill-in-the-middle separators end a generation (llama.cpp's)
 MANIFEST = "converted-files.json"    # the files a conversion wrote -> their sizes
 
 
@@ -51,12 +52,15 @@ def _converted(path: Path, stat, version: int) -> Path:
 
 
 def _remove_older(path: Path, stat) -> None:
-  """Remove this file's conversions by older converters (the real pair's are 4.6 GB)."""
+  """Remove this file's conversions by older converters (the real pair's are 4.6 GB) and the
+  params kept from them (models/param_cache: a few GB per weight format)."""
   for version in range(1, CONVERTER_VERSION):
     stale = _converted(path, stat, version)
     if stale.exists():
       log.info("removing %s: this GGUF's conversion by an older specjax", stale)
       shutil.rmtree(stale, ignore_errors=True)
+    for kept in param_cache.remove_entries(cache_dir(), stale):
+      log.info("removed %s: params kept from that conversion", kept)
 
 
 def _intact(out: Path, source: Path | None = None) -> bool:

@@ -400,7 +400,7 @@ def _param_cache_dir(path: Path, dtype: str, scan: bool, quant: str = "",
   key = settings_key({"path": str(path), "dtype": dtype, "scan": scan, **quant_key,
                       "v": PARAM_CACHE_VERSION,
                       "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]})
-  return root / "params" / f"{path.name}-{key}"
+  return param_cache.entry(root, path, key)
 
 
 _PENDING: list = []

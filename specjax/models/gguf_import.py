@@ -56,8 +56,11 @@ _LAYER_NAMES = {
 }
 
 # Control tokens that end a generation besides the file's eos/eot/eom ids (llama.cpp's list).
+# llama.cpp also ends at the fill-in-the-middle pad, repository and file separators (Qwen2.5-Coder
+# writes <|file_sep|> and then another file, which a text without special tokens would join).
 _END_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
-              "<end_of_turn>", "<|end_of_text|>", "<EOT>")
+              "<end_of_turn>", "<|end_of_text|>", "<EOT>", "<|fim_pad|>", "<|repo_name|>",
+              "<|file_sep|>")
 CONTROL, USER_DEFINED = 3, 4   # gguf.TokenType of control and user-defined tokens
 
 
@@ -460,7 +463,8 @@ def special_ids(metadata: dict) -> dict:
   types = metadata.get("tokenizer.ggml.token_type") or []
   ends = [i for i, (text, kind) in enumerate(zip(tokens, types))
           if kind == CONTROL and text in _END_TEXTS]
-  eos = [i for i in (get("eos"), get("eot"), get("eom"), *ends) if i is not None]
+  fim = (get("fim_pad"), get("fim_rep"), get("fim_sep"))
+  eos = [i for i in (get("eos"), get("eot"), get("eom"), *fim, *ends) if i is not None]
   eos = list(dict.fromkeys(int(i) for i in eos))
   return dict(bos_token_id=get("bos"), pad_token_id=get("padding"),
               eos_token_id=eos[0] if len(eos) == 1 else (eos or None))

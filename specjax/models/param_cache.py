@@ -13,6 +13,7 @@ nothing that `load` would take.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,23 @@ import jax
 import numpy as np
 
 MANIFEST = "leaves.json"
+
+
+def entry(root: Path, source: Path, key: str) -> Path:
+  """ROOT/params/NAME-KEY: where the params of checkpoint directory `source` loaded with the
+  settings digested in `key` are kept."""
+  return Path(root) / "params" / f"{Path(source).name}-{key}"
+
+
+def remove_entries(root: Path, source: Path) -> list[Path]:
+  """Removes every kept params directory of checkpoint directory `source` (whatever its settings:
+  the checkpoint is gone); returns those removed."""
+  pattern = re.compile(re.escape(Path(source).name) + r"-[0-9a-f]{12}(\.partial)?")
+  gone = [p for p in (Path(root) / "params").glob(f"{Path(source).name}-*")
+          if p.is_dir() and pattern.fullmatch(p.name)]
+  for path in gone:
+    shutil.rmtree(path, ignore_errors=True)
+  return gone
 
 
 def complete(path: Path) -> bool:
